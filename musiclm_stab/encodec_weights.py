@@ -1,0 +1,370 @@
+"""EnCodec 24 kHz for tokenizing: loading the pretrained model, or making and loading local weights.
+
+The default is the pretrained model, which the ``encodec`` package downloads at first use. Offline,
+``load_encodec(None)`` raises ``WeightsUnavailable`` with the ways to proceed; it never falls back.
+
+Local weights are for offline work and tests. A fresh ``encodec_model_24khz(pretrained=False)`` has
+all-zero codebooks (EnCodec fits them by k-means on the first training batch), so every code would
+be 0. ``make_local_weights`` keeps the seeded random encoder and fits the 8 residual codebooks used at
+6 kbps with a fast Lloyd k-means on encoder frames of the given audio. A random encoder with fitted
+codebooks still yields usable self-supervised targets (cf. BEST-RQ), but they are not the pretrained
+model's codes: the weights are identified by a sha256 that travels with every tokenized dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import soundfile as sf
+import torch
+from tqdm.auto import tqdm
+
+from musiclm_stab import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
+from musiclm_stab.audio import AudioError, list_audio_files, load_audio
+
+if TYPE_CHECKING:
+    from encodec import EncodecModel
+
+BANDWIDTH = 6.0  # kbps: 8 codebooks of 1024 codes at 75 Hz
+PRETRAINED_CHECKPOINT = "encodec_24khz-d7cc33bc.th"
+PRETRAINED_URL = f"https://dl.fbaipublicfiles.com/encodec/v0/{PRETRAINED_CHECKPOINT}"
+
+
+class WeightsUnavailable(RuntimeError):
+    """The pretrained EnCodec weights could not be had (no internet and no cached checkpoint)."""
+
+
+def _new_model(pretrained: bool) -> EncodecModel:
+    from encodec import EncodecModel  # imported only when a model is built
+
+    with warnings.catch_warnings():  # encodec uses the deprecated torch.nn.utils.weight_norm
+        warnings.simplefilter("ignore", FutureWarning)
+        return EncodecModel.encodec_model_24khz(pretrained=pretrained)
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict: key names, dtypes, shapes and raw bytes, in sorted key order.
+
+    Identical weights give the identical hash wherever they came from (download, file, memory).
+    """
+    h = hashlib.sha256()
+    for key in sorted(state_dict):
+        t = state_dict[key].detach().cpu().contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _info(model: EncodecModel, weights: str, weights_file: str | Path | None) -> dict[str, Any]:
+    return {
+        "model": "encodec_24khz",
+        "weights": weights,
+        "weights_file": Path(weights_file).name if weights_file else None,
+        "weights_sha256": weights_sha256(model.state_dict()),
+        "bandwidth": BANDWIDTH,
+        "sample_rate": SAMPLE_RATE,
+        "frame_rate": FRAME_RATE,
+        "hop_length": HOP_LENGTH,
+        "num_codebooks": NUM_CODEBOOKS,
+        "codebook_size": CODEBOOK_SIZE,
+    }
+
+
+def _how_to() -> str:
+    checkpoints = Path(torch.hub.get_dir()) / "checkpoints"
+    return (
+        "To proceed, do one of:\n"
+        "  1. connect to the internet and run again (the checkpoint is then cached for offline use);\n"
+        f"  2. place {PRETRAINED_CHECKPOINT} (from {PRETRAINED_URL}) in {checkpoints}/;\n"
+        "  3. pass --weights FILE with a local EnCodec 24 kHz state dict, e.g. one made by\n"
+        "     `musiclm-stab make-weights AUDIO_DIR FILE` (a random encoder with codebooks fitted to your\n"
+        "     audio: NOT the pretrained model; the tokenized data records which weights were used)."
+    )
+
+
+def load_encodec(weights: str | Path | None = None) -> tuple[EncodecModel, dict[str, Any]]:
+    """EnCodec 24 kHz at 6 kbps (8 codebooks) in eval mode on the CPU, and its tokenizer info.
+
+    ``weights=None`` loads the pretrained model (raises WeightsUnavailable when it cannot be had);
+    ``weights=FILE`` loads a local state dict strictly. The info dict identifies the weights by sha256.
+    """
+    if weights is None:
+        try:
+            model = _new_model(pretrained=True)
+        except OSError as e:  # URLError, timeouts, DNS failures, unwritable cache
+            raise WeightsUnavailable(
+                f"Could not download the pretrained EnCodec 24 kHz weights ({type(e).__name__}: {e}).\n"
+                + _how_to()
+            ) from e
+        except Exception as e:  # a corrupt or partial checkpoint in the cache
+            cached = Path(torch.hub.get_dir()) / "checkpoints" / PRETRAINED_CHECKPOINT
+            raise WeightsUnavailable(
+                f"Could not load the pretrained EnCodec 24 kHz weights ({type(e).__name__}: {e}); "
+                f"if {cached} exists it may be corrupt: delete it.\n" + _how_to()
+            ) from e
+        info = _info(model, "pretrained", None)
+    else:
+        path = Path(weights)
+        if not path.is_file():
+            raise FileNotFoundError(f"EnCodec weights file {path} does not exist")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path} is not a readable torch state dict: {e}") from None
+        model = _new_model(pretrained=False)
+        try:
+            model.load_state_dict(state, strict=True)
+        except (RuntimeError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path} is not an EnCodec 24 kHz state dict: {e}") from None
+        for k, layer in enumerate(model.quantizer.vq.layers[:NUM_CODEBOOKS]):
+            if not layer._codebook.embed.any():
+                raise ValueError(
+                    f"{path}: codebook {k} is all zeros, so every code would be 0; make weights with "
+                    "`musiclm-stab make-weights AUDIO_DIR FILE`"
+                )
+        info = _info(model, "local", path)
+        sidecar = _sidecar(path)  # written by make_local_weights; trusted only if it describes these weights
+        if sidecar.is_file():
+            made = json.loads(sidecar.read_text())
+            if made.get("weights_sha256") == info["weights_sha256"] and made.get("provenance"):
+                info["weights_provenance"] = made["provenance"]
+    model.set_target_bandwidth(BANDWIDTH)
+    return model.eval(), info
+
+
+def _sidecar(weights_file: Path) -> Path:
+    return weights_file.with_name(weights_file.name + ".json")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Making local weights: seeded random encoder + residual codebooks fitted by k-means.
+
+
+def _assign(x: torch.Tensor, centroids: torch.Tensor, block: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid of each row of x [N, D] among centroids [K, D] -> (index [N], squared dist [N])."""
+    c_sq = centroids.pow(2).sum(1)  # (K,)
+    ct = centroids.t().contiguous()  # (D, K)
+    index, dist = [], []
+    for xb in x.split(block):
+        # |c|^2 - 2 x.c: |x|^2 is the same for every centroid, so it is added only to the minimum
+        d = torch.addmm(c_sq, xb, ct, alpha=-2)  # (n, K)
+        m, i = d.min(dim=1)
+        index.append(i)
+        dist.append((m + xb.pow(2).sum(1)).clamp_min(0))
+    return torch.cat(index), torch.cat(dist)
+
+
+def kmeans(
+    x: torch.Tensor, k: int, iters: int, generator: torch.Generator, tol: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded Lloyd k-means of x [N, D] -> (centroids [k, D], assignment [N], cluster sizes [k]).
+
+    Initialised from k distinct points chosen at random; a cluster left empty is re-seeded with one
+    of the points farthest from its centroid, so all k codes stay in use when N >= k. Stops after
+    ``iters`` updates, or earlier once at most a ``tol`` share of the points change cluster.
+    """
+    n, d = x.shape
+    distinct = torch.unique(x, dim=0)  # sorted, so the choice below is deterministic
+    perm = torch.randperm(len(distinct), generator=generator)
+    if len(distinct) >= k:
+        centroids = distinct[perm[:k]].clone()
+    else:  # fewer distinct frames than codes: repeat them with a tiny jitter
+        extra = distinct[torch.randint(len(distinct), (k - len(distinct),), generator=generator)]
+        jitter = torch.randn(extra.shape, generator=generator) * (x.std() * 1e-3 + 1e-12)
+        centroids = torch.cat([distinct[perm], extra + jitter])
+    previous = None
+    for _ in range(iters):
+        assign, dist = _assign(x, centroids)
+        if previous is not None and (assign != previous).sum() <= tol * n:
+            break
+        previous = assign
+        counts = torch.bincount(assign, minlength=k)  # (k,)
+        sums = torch.zeros(k, d, dtype=x.dtype).index_add_(0, assign, x)  # (k, D)
+        centroids = torch.where((counts > 0)[:, None], sums / counts.clamp_min(1)[:, None], centroids)
+        empty = (counts == 0).nonzero().squeeze(1)
+        if len(empty):
+            far = dist.topk(min(len(empty), n)).indices
+            centroids[empty[: len(far)]] = x[far]
+    assign, _ = _assign(x, centroids)
+    return centroids, assign, torch.bincount(assign, minlength=k)
+
+
+def held_out_residual(
+    x: torch.Tensor, centroids: torch.Tensor, assign: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Residual [N, D] each row of x [N, D] would have had it not been part of the k-means fit.
+
+    Subtracting the centroid that a frame itself helped fit leaves too small a residual (zero for a
+    cluster of one), so on a small sample the next codebooks get fitted to zeros and the deep levels
+    collapse. Without frame i its cluster's centroid is (n c - x_i) / (n - 1), so the residual is
+    (x_i - c) n / (n - 1); a frame alone in its cluster falls to its next-nearest centroid instead.
+    """
+    n = counts[assign].to(x.dtype)[:, None]  # (N, 1)
+    residual = (x - centroids[assign]) * n / (n - 1).clamp_min(1)  # (N, D)
+    alone = (counts[assign] == 1).nonzero().squeeze(1)
+    if len(alone):
+        d = torch.addmm(centroids.pow(2).sum(1), x[alone], centroids.t(), alpha=-2)  # (n_alone, K)
+        d[torch.arange(len(alone)), assign[alone]] = float("inf")
+        residual[alone] = x[alone] - centroids[d.argmin(dim=1)]
+    return residual
+
+
+def _duration(source: str | Path | torch.Tensor) -> tuple[int, str | None]:
+    """(length in 24 kHz samples, estimated from the header for files; why it is unusable or None)."""
+    if isinstance(source, torch.Tensor):
+        return source.numel(), None
+    try:
+        meta = sf.info(str(source))
+    except Exception as e:
+        return 0, f"not a readable audio file: {e}"
+    return int(meta.frames * SAMPLE_RATE / max(meta.samplerate, 1)), None
+
+
+def make_local_weights(
+    sources: Sequence[str | Path | torch.Tensor | np.ndarray],
+    out_file: str | Path,
+    seed: int = 0,
+    max_seconds: float = 600.0,
+    iters: int = 15,
+    chunk_seconds: float = 10.0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Make EnCodec 24 kHz weights with a seeded random encoder and fitted codebooks; save them.
+
+    ``sources`` are audio files or 24 kHz mono waveforms [S]. Up to ``max_seconds`` of them, in
+    ``chunk_seconds`` chunks chosen at random (seeded) when there is more, are run through the encoder;
+    its frames [N, 128] fit the 8 residual codebooks level by level (k-means, 1024 codes each), each
+    level on the leave-one-out residuals of the previous one (see ``held_out_residual``).
+    Same inputs and seed give the same file, byte for byte. Writes ``out_file`` (the full state dict,
+    loadable with ``load_encodec(out_file)``) and ``out_file.json`` (provenance); returns the info dict.
+    """
+    t0 = time.perf_counter()
+    out_file = Path(out_file)
+    srcs = [s if isinstance(s, (str, Path)) else torch.as_tensor(s, dtype=torch.float32) for s in sources]
+    if any(isinstance(s, torch.Tensor) and s.dim() != 1 for s in srcs):
+        raise ValueError("make_local_weights: waveforms must be 24 kHz mono [S]; decode files with load_audio")
+    chunk = int(chunk_seconds * SAMPLE_RATE) // HOP_LENGTH * HOP_LENGTH
+    durations = [_duration(s) for s in srcs]
+    skipped = [{"path": str(s), "reason": why} for s, (_, why) in zip(srcs, durations) if why]
+    slots = [(i, start) for i, (n, _) in enumerate(durations) for start in range(0, n, chunk)]
+    g = torch.Generator().manual_seed(seed)
+    max_chunks = max(1, int(max_seconds * SAMPLE_RATE) // chunk)
+    if len(slots) > max_chunks:
+        slots = sorted(slots[j] for j in torch.randperm(len(slots), generator=g)[:max_chunks].tolist())
+
+    with torch.random.fork_rng(devices=[]):  # seed the encoder init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = _new_model(pretrained=False)
+    model.eval()
+
+    frames, used_samples, current = [], 0, (None, None)
+    with torch.inference_mode():
+        for i, start in tqdm(slots, desc="encoder frames", unit="chunk", disable=not progress):
+            if current[0] != i:
+                try:
+                    current = (i, srcs[i] if isinstance(srcs[i], torch.Tensor) else load_audio(srcs[i]))
+                except AudioError as e:
+                    skipped.append({"path": e.path, "reason": e.reason})
+                    current = (i, torch.zeros(0))
+            piece = current[1][start : start + chunk]
+            piece = piece[: len(piece) // HOP_LENGTH * HOP_LENGTH]
+            if len(piece) < HOP_LENGTH:
+                continue
+            emb = model.encoder(piece.view(1, 1, -1))  # (1, D, T)
+            frames.append(emb[0].t())  # (T, D)
+            used_samples += len(piece)
+    if not frames:
+        raise ValueError("make_local_weights: no usable audio in the sources" +
+                         (f" ({len(skipped)} unreadable, e.g. {skipped[0]})" if skipped else ""))
+    x = torch.cat(frames).float()  # (N, D)
+    variance = (x - x.mean(0)).pow(2).sum()  # residual energies below are relative to this
+
+    residual, rel_error = x, []
+    for k in tqdm(range(NUM_CODEBOOKS), desc="fitting codebooks", unit="level", disable=not progress):
+        layer = model.quantizer.vq.layers[k]
+        assert isinstance(layer.project_in, torch.nn.Identity), "codebook dim must equal encoder dim"
+        gk = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        centroids, assign, counts = kmeans(residual, CODEBOOK_SIZE, iters, gk)  # (K, D), (N,), (K,)
+        cb = layer._codebook
+        with torch.no_grad():  # same buffers EnCodec's own k-means init sets
+            cb.embed.copy_(centroids)
+            cb.embed_avg.copy_(centroids)
+            cb.cluster_size.copy_(counts.float())
+            cb.inited.fill_(1.0)
+        residual = held_out_residual(residual, centroids, assign, counts)  # (N, D)
+        rel_error.append(float(residual.pow(2).sum() / variance))
+
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()  # saving to a file would put its name into the zip: same weights, other bytes
+    torch.save(model.state_dict(), buffer)
+    out_file.write_bytes(buffer.getvalue())
+    info = _info(model, "local", out_file)
+    # provenance goes to a side file: seconds_taken differs between runs, the weights file must not
+    info["provenance"] = {
+        "made_by": "musiclm-stab make-weights",
+        "note": "random seeded EnCodec encoder + 8 codebooks fitted by k-means; not the pretrained model",
+        "seed": seed,
+        "max_seconds": max_seconds,
+        "seconds_used": round(used_samples / SAMPLE_RATE, 3),
+        "num_frames": int(x.shape[0]),
+        "num_sources": len(srcs),
+        "skipped_sources": skipped,
+        "kmeans_iters": iters,
+        "residual_variance_per_level": [round(e, 6) for e in rel_error],
+        "seconds_taken": round(time.perf_counter() - t0, 2),
+    }
+    _sidecar(out_file).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="musiclm-stab make-weights",
+        description="Make local EnCodec 24 kHz weights for offline use: a seeded random encoder whose 8 "
+        "codebooks are fitted by k-means to your audio. Not the pretrained model; tokenized data records "
+        "the weights' sha256.",
+    )
+    p.add_argument("src", help="folder of audio files (searched recursively)")
+    p.add_argument("out_file", help="where to write the weights (a torch state dict)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=600.0, help="audio used for fitting (default 600)")
+    p.add_argument("--iters", type=int, default=15, help="k-means iterations per codebook (default 15)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_FILE")
+    args = p.parse_args(argv)
+
+    src, out = Path(args.src), Path(args.out_file)
+    if not src.is_dir():
+        p.error(f"{src} is not a folder")
+    if out.exists() and not args.overwrite:
+        p.error(f"{out} exists; pass --overwrite to replace it")
+    files = list_audio_files(src)
+    if not files:
+        p.error(f"no audio files under {src}")
+    try:
+        info = make_local_weights(files, out, seed=args.seed, max_seconds=args.max_seconds, iters=args.iters)
+    except ValueError as e:
+        print(f"make-weights: {e}", file=sys.stderr)
+        return 1
+    prov = info["provenance"]
+    print(f"wrote {out} (sha256 {info['weights_sha256']})")
+    print(f"  fitted on {prov['seconds_used']:.0f} s of audio from {len(files)} files "
+          f"({len(prov['skipped_sources'])} unreadable), {prov['num_frames']} frames, "
+          f"in {prov['seconds_taken']:.1f} s")
+    print("  residual / variance of the frames after each codebook: "
+          + " ".join(f"{e:.3f}" for e in prov["residual_variance_per_level"]))
+    print(f"next: musiclm-stab tokenize AUDIO_DIR OUT_DIR --weights {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())

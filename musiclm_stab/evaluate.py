@@ -1,0 +1,136 @@
+"""Held-out evaluation: acoustic loss and accuracy per codebook (codebook 0 first), musical loss, total.
+
+    musiclm-stab evaluate RUN_DIR_OR_CHECKPOINT [--data TOKENIZED] [--split eval|train|all]
+
+Deterministic: centre crops, no noise mixup, span masks from a fixed seed, dropout off; two evaluations
+of one checkpoint agree exactly. Losses are averaged over masked frames of the whole split. Results are
+printed as a table and written to ``<run>/eval/step_<N>.json`` under the metric names of DESIGN.md with
+the ``eval/`` prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from musiclm_stab.config import Config, ConfigError, config_from_run
+from musiclm_stab.data import Collator, CropDataset, split_indices
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.train import STATE_FILE, list_checkpoints
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run_dir, checkpoint_dir) from a run directory (newest complete checkpoint) or a checkpoint dir."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        ckpts = list_checkpoints(path)
+        if not ckpts:
+            raise ConfigError(f"{path} has no complete checkpoint in {path / 'checkpoints'}")
+        return path, ckpts[-1]
+    if (path / STATE_FILE).is_file() and (path.parent.parent / "config.yaml").is_file():
+        return path.parent.parent, path
+    raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a complete checkpoint "
+                      f"(with {STATE_FILE})")
+
+
+def load_model(run_dir: Path, ckpt: Path, cfg: Config, device: str = "cpu") -> MusicMLM:
+    model = MusicMLM(cfg.model)
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{ckpt} has no model.safetensors")
+    model.load_state_dict(load_file(str(weights), device="cpu"))
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def evaluate(path: str | Path, data: str | None = None, split: str = "eval", batch_size: int = 8,
+             seed: int = 1234, device: str = "cpu", write: bool = True) -> dict:
+    """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys."""
+    from musiclm_stab.tokenize import check_same_tokenizer, load_tokenized
+
+    run_dir, ckpt = resolve_checkpoint(path)
+    cfg = config_from_run(run_dir)
+    data_path = data or cfg.data.path
+    hf, info = load_tokenized(data_path)
+    run_tok = run_dir / "tokenizer.json"
+    if run_tok.is_file():
+        check_same_tokenizer(json.loads(run_tok.read_text()), info, f"run {run_dir}", f"data {data_path}")
+    train_idx, eval_idx = split_indices(hf["track"], cfg.data.eval_fraction)
+    indices = {"eval": eval_idx, "train": train_idx, "all": sorted(train_idx + eval_idx)}.get(split)
+    if indices is None:
+        raise ConfigError(f"split={split!r} is not valid; choose one of: eval, train, all")
+    dataset = CropDataset(hf, indices, cfg.data.crop_seconds, seed=seed, random_crop=False)
+    if len(dataset) == 0:
+        raise ConfigError(f"the {split!r} split of {data_path} has no segment of at least "
+                          f"{cfg.data.crop_seconds} s (eval_fraction={cfg.data.eval_fraction}); try --split all")
+    model = load_model(run_dir, ckpt, cfg, device)
+    mcfg = cfg.model.resolved()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                        collate_fn=Collator(cfg.data, mcfg, seed=seed, mixup=False))
+    K = mcfg.num_codebooks
+    totals = {"ce": torch.zeros(K, dtype=torch.float64), "acc": torch.zeros(K, dtype=torch.float64),
+              "musical": 0.0, "pen": 0.0, "frames": 0}
+    for batch in tqdm(loader, desc="evaluate", leave=False):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
+        n = int(batch["mask"].sum())  # losses are means over masked frames: weight them back
+        totals["ce"] += out.acoustic_ce.double().cpu() * n
+        totals["acc"] += out.acoustic_acc.double().cpu() * n
+        totals["musical"] += float(out.musical_mlm_loss) * n
+        totals["pen"] += float(out.features_pen) * n
+        totals["frames"] += n
+    frames = max(totals["frames"], 1)
+    ce, acc = (totals["ce"] / frames).tolist(), (totals["acc"] / frames).tolist()
+    musical, pen = totals["musical"] / frames, totals["pen"] / frames
+    result = {"eval/loss": sum(ce) + mcfg.musical_weight * musical + mcfg.features_pen_weight * pen,
+              "eval/acoustic_mlm_loss": sum(ce), "eval/musical_mlm_loss": musical, "eval/features_pen": pen}
+    result.update({f"eval/acoustic_mlm_loss/cb{k}": ce[k] for k in range(K)})
+    result.update({f"eval/acoustic_acc/cb{k}": acc[k] for k in range(K)})
+    step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+    result.update({"step": step, "checkpoint": str(ckpt), "data": str(data_path), "split": split,
+                   "num_segments": len(dataset), "masked_frames": totals["frames"], "seed": seed})
+    if write:
+        out_dir = run_dir / "eval"
+        out_dir.mkdir(exist_ok=True)
+        (out_dir / f"step_{step:08d}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_table(result: dict) -> str:
+    K = sum(1 for k in result if k.startswith("eval/acoustic_mlm_loss/cb"))
+    lines = [f"evaluation of {result['checkpoint']} (step {result['step']}) on {result['split']} split of "
+             f"{result['data']}: {result['num_segments']} segments, {result['masked_frames']} masked frames",
+             f"{'codebook':>10} {'loss':>9} {'acc':>7}"]
+    for k in range(K):
+        lines.append(f"{'cb' + str(k):>10} {result[f'eval/acoustic_mlm_loss/cb{k}']:9.4f} "
+                     f"{result[f'eval/acoustic_acc/cb{k}']:7.3f}")
+    lines += [f"{'acoustic':>10} {result['eval/acoustic_mlm_loss']:9.4f}",
+              f"{'musical':>10} {result['eval/musical_mlm_loss']:9.4f}",
+              f"{'feat_pen':>10} {result['eval/features_pen']:9.4f}",
+              f"{'total':>10} {result['eval/loss']:9.4f}"]
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
+    p.add_argument("--data", help="tokenized dataset (default: the run's data.path)")
+    p.add_argument("--split", default="eval", choices=["eval", "train", "all"])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the evaluation masks")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    try:
+        result = evaluate(args.path, args.data, args.split, args.batch_size, args.seed, args.device)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    return 0

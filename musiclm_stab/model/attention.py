@@ -1,0 +1,83 @@
+"""Multi-head self-attention with three interchangeable forms.
+
+- ``sdpa``  fused ``scaled_dot_product_attention`` (fast default). It never materialises the raw
+            logits, so it can neither show nor suffer fp16 logit overflow the way the study's runs did.
+- ``math``  the explicit form: logits = (Q K^T) / sqrt(d) in the compute dtype, then softmax. In fp16
+            the Q K^T product overflows to inf once logits pass ~65504, and the softmax turns to NaN.
+- ``relax`` PB-relax (CogView): Q is divided by alpha*sqrt(d) *before* the matmul, so the product stays
+            small; then softmax((Q/(alpha sqrt d)) K^T - rowmax) * alpha). Identical to ``math`` in exact
+            arithmetic; finite where ``math`` overflows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from musiclm_stab.config import ATTENTION_FORMS, ConfigError
+from musiclm_stab.model.norm_schemes import make_norm
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 32.0) -> torch.Tensor:
+    """Attention probabilities of the explicit forms. q, k: [B, H, T, d] -> [B, H, T, T] (dtype of q)."""
+    d = q.shape[-1]
+    if form == "math":
+        logits = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # raw logits, in the compute dtype
+        return torch.softmax(logits, dim=-1)
+    if form == "relax":
+        logits = (q / (alpha * math.sqrt(d))) @ k.transpose(-2, -1)  # small: divided before the matmul
+        logits = (logits - logits.amax(dim=-1, keepdim=True).detach()) * alpha
+        return torch.softmax(logits.float(), dim=-1).to(q.dtype)
+    raise ConfigError(f"attention form {form!r} has no explicit probabilities; use math or relax")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str, *, alpha: float = 32.0,
+           dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Attention output for q, k, v: [B, H, T, d] -> [B, H, T, d]."""
+    if form == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if training else 0.0)
+    if form not in ATTENTION_FORMS:
+        raise ConfigError(f"model.attention={form!r} is not valid; choose one of: {', '.join(ATTENTION_FORMS)}")
+    probs = attention_probs(q, k, form, alpha)
+    probs = F.dropout(probs, p=dropout, training=training)
+    return probs @ v
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention on [B, T, D], with optional QK-norm and Sub-LN before out_proj."""
+
+    def __init__(self, dim: int, num_heads: int, *, form: str = "sdpa", alpha: float = 32.0,
+                 dropout: float = 0.0, qk_norm: bool = False, sublayer_norm: bool = False,
+                 norm_type: str = "layernorm"):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.form, self.alpha, self.dropout = form, alpha, dropout
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.q_norm = make_norm(norm_type, self.head_dim) if qk_norm else None
+        self.k_norm = make_norm(norm_type, self.head_dim) if qk_norm else None
+        self.sub_norm = make_norm(norm_type, dim) if sublayer_norm else None
+        self.record_max_logit = False  # diagnostics: set by the trainer at its logging interval
+        self.max_logit: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        # (B, T, D) -> (B, H, T, d)
+        q, k, v = (p(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.record_max_logit:
+            with torch.no_grad():  # the largest logit |q.k|/sqrt(d), in fp32: predicts divergence
+                logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+                self.max_logit = logits.abs().amax()
+        out = attend(q, k, v, self.form, alpha=self.alpha, dropout=self.dropout, training=self.training)
+        out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, D)
+        if self.sub_norm is not None:
+            out = self.sub_norm(out)
+        return self.out_proj(out)

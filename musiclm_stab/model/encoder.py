@@ -1,0 +1,128 @@
+"""Transformer encoder whose norm placement, residual scaling and init come from a SchemeSpec."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from musiclm_stab.config import ModelConfig
+from musiclm_stab.model.attention import SelfAttention
+from musiclm_stab.model.norm_schemes import SchemeSpec, make_norm, resolve_scheme
+
+
+class FeedForward(nn.Module):
+    """fc1 -> GELU -> dropout -> (Sub-LN) -> fc2 on [B, T, D]."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float, sublayer_norm: bool, norm_type: str):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.dropout = dropout
+        self.sub_norm = make_norm(norm_type, hidden) if sublayer_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.gelu(self.fc1(x)), self.dropout, self.training)
+        if self.sub_norm is not None:
+            h = self.sub_norm(h)
+        return self.fc2(h)
+
+
+class EncoderLayer(nn.Module):
+    """One attention + feed-forward layer; every norm-scheme difference is read from ``spec``."""
+
+    def __init__(self, cfg: ModelConfig, spec: SchemeSpec):
+        super().__init__()
+        self.spec, self.dropout = spec, cfg.dropout
+        self.attn = SelfAttention(cfg.width, cfg.num_heads, form=cfg.attention, alpha=cfg.relax_alpha,
+                                  dropout=cfg.attention_dropout, qk_norm=cfg.qk_norm,
+                                  sublayer_norm=spec.sublayer_norm, norm_type=cfg.norm_type)
+        self.ffn = FeedForward(cfg.width, cfg.ffn_dim, cfg.activation_dropout, spec.sublayer_norm, cfg.norm_type)
+
+        def norm_if(flag: bool) -> nn.Module | None:
+            return make_norm(cfg.norm_type, cfg.width) if flag else None
+
+        self.attn_norm_in, self.ffn_norm_in = norm_if(spec.norm_before), norm_if(spec.norm_before)
+        self.attn_norm_out, self.ffn_norm_out = norm_if(spec.norm_after_sublayer), norm_if(spec.norm_after_sublayer)
+        self.attn_norm_res, self.ffn_norm_res = norm_if(spec.norm_after_residual), norm_if(spec.norm_after_residual)
+
+    def _block(self, x, sublayer, norm_in, norm_out, norm_res):
+        h = norm_in(x) if norm_in is not None else x
+        h = sublayer(h)
+        if norm_out is not None:
+            h = norm_out(h)
+        x = self.spec.residual_alpha * x + F.dropout(h, self.dropout, self.training)  # alpha scales x, not G(x)
+        return norm_res(x) if norm_res is not None else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._block(x, self.attn, self.attn_norm_in, self.attn_norm_out, self.attn_norm_res)
+        return self._block(x, self.ffn, self.ffn_norm_in, self.ffn_norm_out, self.ffn_norm_res)
+
+
+def init_encoder_weights(layers: nn.ModuleList, spec: SchemeSpec) -> list[str]:
+    """Xavier init for every projection; fc1, fc2, out_proj, v_proj get the scheme's gain.
+
+    Returns the names (relative to ``layers``) of the weights scaled by a gain other than 1, so tests can
+    check that exactly the right parameters were touched.
+    """
+    scaled = []
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            gain = spec.init_gain if leaf in ("fc1", "fc2", "out_proj", "v_proj") else 1.0
+            nn.init.xavier_normal_(module.weight, gain=gain)
+            nn.init.zeros_(module.bias)
+            if gain != 1.0:
+                scaled.append(f"{i}.{name}.weight")
+    return scaled
+
+
+class Encoder(nn.Module):
+    """Conv positional embedding + transformer layers. [B, T, D] -> [B, T, D] (and per-layer states)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.spec = resolve_scheme(cfg.norm_scheme, cfg.num_layers)
+        self.pos_conv = PositionalConv(cfg.width, cfg.pos_conv_kernel, cfg.pos_conv_groups)
+        self.embed_norm = make_norm(cfg.norm_type, cfg.width) if self.spec.embed_norm else None
+        self.final_norm = make_norm(cfg.norm_type, cfg.width) if self.spec.final_norm else None
+        self.dropout, self.layerdrop = cfg.dropout, cfg.layerdrop
+        self.layers = nn.ModuleList(EncoderLayer(cfg, self.spec) for _ in range(cfg.num_layers))
+        self.scaled_at_init = init_encoder_weights(self.layers, self.spec)
+
+    def forward(self, x: torch.Tensor, return_hidden: bool = False):
+        """x: [B, T, D]. Returns [B, T, D], or (output, list of num_layers+1 hidden states)."""
+        x = x + self.pos_conv(x)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = F.dropout(x, self.dropout, self.training)
+        hidden = [x]
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0 and torch.rand(()) < self.layerdrop:
+                hidden.append(x)
+                continue
+            x = layer(x)
+            hidden.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return (x, hidden) if return_hidden else x
+
+
+class PositionalConv(nn.Module):
+    """Convolutional relative positional embedding (wav2vec2): weight-normed grouped conv + GELU."""
+
+    def __init__(self, dim: int, kernel: int, groups: int):
+        super().__init__()
+        conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
+        nn.init.normal_(conv.weight, mean=0.0, std=(4.0 / (kernel * dim)) ** 0.5)
+        nn.init.zeros_(conv.bias)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+        self.trim = 1 if kernel % 2 == 0 else 0  # an even kernel yields one extra frame
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x.transpose(1, 2))  # (B, D, T + trim)
+        if self.trim:
+            h = h[..., : -self.trim]
+        return F.gelu(h).transpose(1, 2)  # (B, T, D)

@@ -1,0 +1,87 @@
+"""Shared test fixtures: synthetic music, one small set of fitted EnCodec weights, one tokenized dataset.
+
+``local_weights`` and ``tokenized_dataset`` are session-scoped and used across the test suite
+(tokenizer, training loader, end-to-end tests): keep their names and return types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+SR = 24_000
+
+
+def synth_music(seconds: float, seed: int = 0, sr: int = SR, channels: int = 1) -> np.ndarray:
+    """Music-like test audio: notes of harmonic tones with decaying envelopes plus noise hits.
+
+    Returns float32 [S] (mono) or [S, C], peak about 0.5, seeded.
+    """
+    rng = np.random.default_rng(seed)
+    n = int(seconds * sr)
+    t = np.arange(n) / sr
+    out = np.zeros((n, channels), dtype=np.float64)
+    scale = np.array([0, 2, 4, 5, 7, 9, 11])
+    for voice in range(3):
+        pos = 0.0
+        while pos < seconds:
+            dur = rng.choice([0.125, 0.25, 0.5, 1.0])
+            midi = 45 + 12 * voice + scale[rng.integers(len(scale))] + 12 * rng.integers(0, 2)
+            f0 = 440.0 * 2 ** ((midi - 69) / 12)
+            a, b = int(pos * sr), min(n, int((pos + dur) * sr))
+            tt = t[a:b] - pos
+            env = (1 - np.exp(-tt / 0.005)) * np.exp(-tt / (0.1 + 0.4 * rng.random()))
+            tone = sum(np.sin(2 * np.pi * f0 * h * tt + rng.random() * 6.28) / h**1.2 for h in range(1, 8))
+            pan = rng.random(channels) if channels > 1 else np.ones(1)
+            out[a:b] += (0.25 * env * tone)[:, None] * pan
+            pos += dur
+    for hit in np.arange(0, seconds, 0.5):  # percussion: short noise bursts
+        a = int(hit * sr)
+        b = min(n, a + int(0.05 * sr))
+        out[a:b] += rng.normal(0, 0.2, (b - a, 1)) * np.exp(-np.arange(b - a) / (0.01 * sr))[:, None]
+    out *= 0.5 / max(1e-9, np.abs(out).max())
+    return (out[:, 0] if channels == 1 else out).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def make_music() -> Callable[..., np.ndarray]:
+    """The synthetic-music generator: make_music(seconds, seed=0, sr=24000, channels=1)."""
+    return synth_music
+
+
+@pytest.fixture(scope="session")
+def local_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EnCodec weights with codebooks fitted on ~48 s of synthetic music (seed 0); path to the file."""
+    from musiclm_stab.encodec_weights import make_local_weights
+
+    root = tmp_path_factory.mktemp("weights")
+    audio = root / "audio"
+    audio.mkdir()
+    for i in range(6):
+        sf.write(audio / f"fit_{i}.wav", synth_music(8.0, seed=100 + i), SR)
+    out = root / "encodec_local.th"
+    make_local_weights(sorted(audio.glob("*.wav")), out, seed=0, max_seconds=60, iters=10, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: Path) -> Path:
+    """3 tracks x 12 s of synthetic music tokenized with ``local_weights`` (10 s segments): its path.
+
+    Each track gives a 10 s segment and a 2 s tail: 6 rows.
+    """
+    from musiclm_stab.tokenize import tokenize
+
+    root = tmp_path_factory.mktemp("tokenized")
+    src = root / "audio"
+    src.mkdir()
+    for i in range(3):
+        sf.write(src / f"track_{i}.wav", synth_music(12.0, seed=200 + i), SR)
+    out = root / "tokens"
+    tokenize(src, out, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
+             weights_note="test weights fitted on synthetic music")
+    return out

@@ -1,0 +1,179 @@
+"""The default corpus: Bach chorales from music21 rendered with TimGM6mb.sf2 through tinysoundfont."""
+
+import json
+
+import numpy as np
+import pytest
+
+sf = pytest.importorskip("soundfile")
+pytest.importorskip("music21")
+pytest.importorskip("tinysoundfont")
+pytest.importorskip("pretty_midi")
+
+from musiclm_stab import cli, corpus  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Three full-length tracks, seed 0, default settings (44.1 kHz stereo FLAC)."""
+    out = tmp_path_factory.mktemp("corpus")
+    return out, corpus.build_corpus(out, num_tracks=3, seed=0, progress=False)
+
+
+def test_tracks_are_real_audio_at_the_sample_rate(built):
+    """Each track is 44.1 kHz stereo, chorale-length, clearly audible and peak-normalized to -1 dBFS."""
+    _, paths = built
+    assert [p.name[:4] for p in paths] == ["000_", "001_", "002_"]
+    for p in paths:
+        info = sf.info(p)
+        assert (info.samplerate, info.channels, info.format, info.subtype) == (44100, 2, "FLAC", "PCM_16")
+        assert 15.0 < info.duration < 240.0
+        audio, _ = sf.read(p, dtype="float32")
+        rms = float(np.sqrt(np.mean(audio**2)))
+        assert rms > 0.02, f"{p.name}: RMS {rms:.4f}"
+        assert np.abs(audio).max() == pytest.approx(10 ** (-1 / 20), abs=2e-3)
+
+
+def test_instruments_vary_across_voices_and_tracks(built):
+    """Neighbouring tracks use different ensembles and the corpus is not one instrument throughout."""
+    out, _ = built
+    rows = corpus.read_manifest(out)
+    ensembles = [r["ensemble"] for r in rows]
+    assert len(set(ensembles)) == 3
+    programs = {i["program"] for r in rows for i in r["instruments"]}
+    assert len(programs) >= 3
+    for r in rows:
+        assert [i["voice"] for i in r["instruments"]] == list(corpus.VOICES)
+        assert all(i["instrument"] == corpus.GM_NAMES[i["program"]] for i in r["instruments"])
+
+
+def test_manifest_and_corpus_json_describe_the_files(built):
+    """manifest.jsonl has one row per file with source, tempo, duration and licence; corpus.json the config."""
+    out, paths = built
+    rows = corpus.read_manifest(out)
+    assert [r["file"] for r in rows] == [p.name for p in paths]
+    for r, p in zip(rows, paths, strict=True):
+        assert r["source"].startswith("bach/") and r["source"] in corpus.chorale_sources()
+        assert corpus.TEMPO_QPM[0] <= r["tempo_qpm"] <= corpus.TEMPO_QPM[1]
+        assert r["seconds"] == pytest.approx(sf.info(p).duration, abs=1e-3)
+        assert (r["sample_rate"], r["channels"]) == (44100, 2)
+        assert "public domain" in r["licence"] and "GPL-2" in r["licence"]
+    meta = json.loads((out / "corpus.json").read_text())
+    assert meta["complete"] is True and meta["files"] == [p.name for p in paths]
+    assert meta["config"] == {
+        "num_tracks": 3,
+        "seed": 0,
+        "sample_rate": 44100,
+        "fmt": "flac",
+        "max_seconds": None,
+        "version": corpus.CORPUS_VERSION,
+    }
+
+
+def test_same_seed_gives_identical_bytes(built, tmp_path):
+    """A second build with the same seed writes byte-identical files (and a smaller corpus is a prefix)."""
+    _, paths = built
+    again = corpus.build_corpus(tmp_path, num_tracks=2, seed=0, progress=False)
+    assert [p.name for p in again] == [p.name for p in paths[:2]]
+    for a, b in zip(again, paths[:2], strict=True):
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_different_seed_gives_different_audio(tmp_path):
+    """Seeds 0 and 1 pick different chorales and produce different audio."""
+    a = corpus.build_corpus(tmp_path / "s0", num_tracks=2, seed=0, max_seconds=6, progress=False)
+    b = corpus.build_corpus(tmp_path / "s1", num_tracks=2, seed=1, max_seconds=6, progress=False)
+    assert {r["source"] for r in corpus.read_manifest(tmp_path / "s0")}.isdisjoint(
+        r["source"] for r in corpus.read_manifest(tmp_path / "s1")
+    )
+    for pa, pb in zip(a, b, strict=True):
+        xa, xb = sf.read(pa)[0], sf.read(pb)[0]
+        assert xa.shape == xb.shape == (6 * 44100, 2)
+        assert np.abs(xa - xb).mean() > 0.01
+
+
+def test_rerun_with_same_config_does_not_render(built, monkeypatch):
+    """Building again into a complete corpus returns its paths without rendering or touching files."""
+    out, paths = built
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("render_track called on an idempotent rerun")
+
+    monkeypatch.setattr(corpus, "render_track", fail)
+    assert corpus.build_corpus(out, num_tracks=3, seed=0, progress=False) == paths
+    assert [p.stat().st_mtime_ns for p in paths] == mtimes
+
+
+def test_other_config_refused_unless_overwrite(tmp_path):
+    """A dir holding a different corpus is refused with a clear message; overwrite=True replaces it."""
+    corpus.build_corpus(tmp_path, num_tracks=2, seed=0, max_seconds=3, progress=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        corpus.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, progress=False)
+    paths = corpus.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, overwrite=True, progress=False)
+    audio = sorted(p.name for p in tmp_path.glob("*.flac"))
+    assert audio == [paths[0].name] and len(corpus.read_manifest(tmp_path)) == 1
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_wav_format_sample_rate_and_max_seconds(tmp_path):
+    """fmt='wav', another sample rate and max_seconds give exactly that file type, rate and length."""
+    (path,) = corpus.build_corpus(
+        tmp_path, num_tracks=1, seed=3, sample_rate=22050, fmt="wav", max_seconds=4.0, progress=False
+    )
+    info = sf.info(path)
+    assert (path.suffix, info.format, info.samplerate, info.frames) == (".wav", "WAV", 22050, 4 * 22050)
+    with pytest.raises(ValueError, match="flac"):
+        corpus.build_corpus(tmp_path / "x", num_tracks=1, fmt="mp3")
+
+
+def test_every_instrument_sounds_on_every_key_its_voices_sing():
+    """Each program the corpus can pick has a TimGM6mb sample for every key of its voices' chorale range."""
+    import tinysoundfont
+
+    chorale_range = {"Soprano": (59, 81), "Alto": (52, 74), "Tenor": (45, 69), "Bass": (33, 64)}
+    uses = {}  # program -> voices it can play
+    for programs in corpus.ENSEMBLES.values():
+        for voice, program in zip(corpus.VOICES, programs, strict=True):
+            for p in corpus.MIXED_POOLS[voice] if program < 0 else (program,):
+                uses.setdefault(p, set()).add(voice)
+    assert set(uses) <= set(corpus.GM_NAMES)
+    soundfont = corpus.soundfont_path().read_bytes()
+    silent = []
+    for program, voices in sorted(uses.items()):
+        synth = tinysoundfont.Synth(samplerate=8000)
+        synth.program_select(0, synth.sfload(soundfont), 0, program)
+        lo, hi = min(chorale_range[v][0] for v in voices), max(chorale_range[v][1] for v in voices)
+        for key in range(lo, hi + 1):
+            synth.noteon(0, key, 90)
+            audio = np.frombuffer(synth.generate_simple(800), dtype=np.float32)
+            synth.sounds_off(0)
+            synth.generate_simple(80)
+            if np.sqrt(np.mean(audio**2)) < 1e-3:
+                silent.append((corpus.GM_NAMES[program], key))
+    assert silent == []
+
+
+def test_chorale_sources_and_skipping_a_non_chorale(tmp_path, monkeypatch, caplog):
+    """Sources are the MusicXML Bach files; a score without S/A/T/B parts is skipped with a logged reason."""
+    sources = corpus.chorale_sources()
+    assert len(sources) == 410 and all(
+        s.startswith("bach/bwv") and s.endswith((".mxl", ".xml")) for s in sources
+    )
+    with pytest.raises(ValueError, match="no Soprano/Alto/Tenor/Bass part"):
+        corpus.plan_track("bach/bwv846.mxl", seed=0, ensemble="piano")  # a keyboard prelude, not a chorale
+    monkeypatch.setattr(corpus, "chorale_sources", lambda: ["bach/bwv846.mxl", "bach/bwv1.6.mxl"])
+    with caplog.at_level("WARNING", logger="musiclm_stab.corpus"):
+        (path,) = corpus.build_corpus(tmp_path, num_tracks=1, seed=0, max_seconds=2, progress=False)
+    assert path.name == "000_bwv1.6.flac"
+    assert "skipping bach/bwv846.mxl: ValueError" in caplog.text
+
+
+def test_cli_prints_tracks_minutes_and_time(tmp_path, capsys):
+    """`musiclm-stab build-corpus` builds the corpus and reports tracks, minutes and time taken."""
+    argv = ["build-corpus", str(tmp_path), "--num-tracks", "2", "--seed", "2", "--max-seconds", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 tracks, 0.1 min of audio") and out.rstrip().endswith(" s)")
+    assert cli.main([*argv[:3], "1", *argv[4:]]) == 1  # a different config in the same dir is refused

@@ -1,0 +1,120 @@
+"""The dual-stream model: sizes, frame alignment, losses on masked frames only, per-codebook losses."""
+
+import pytest
+import torch
+
+from musiclm_stab.config import ModelConfig
+from musiclm_stab.losses import acoustic_losses
+from musiclm_stab.masking import span_mask
+from musiclm_stab.model import MusicMLM, count_parameters
+from musiclm_stab.model.frontend import ConvFrontend
+
+TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32, dropout=0.0,
+            attention_dropout=0.0, feature_dropout=0.0)
+
+
+def _inputs(B=2, T=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    wav = torch.randn(B, 320 * T, generator=g) * 0.1
+    codes = torch.randint(0, 1024, (B, 8, T), generator=g)
+    mask = span_mask(B, T, 0.8, 5, g)
+    return wav, codes, mask
+
+
+def _encoder_params(model):
+    return count_parameters(model) - count_parameters(model.acoustic) - count_parameters(model.musical)
+
+
+@pytest.mark.parametrize("size, lo, hi", [("base", 94e6, 96e6), ("large", 310e6, 335e6)])
+def test_parameter_counts(size, lo, hi):
+    """base is ~95M and large ~330M parameters (encoder without heads, as HuBERT/MERT count them)."""
+    model = MusicMLM(ModelConfig(size=size))
+    assert lo < _encoder_params(model) < hi
+
+
+@pytest.mark.parametrize("T", [1, 7, 375])
+def test_frontend_gives_one_frame_per_320_samples(T):
+    """S = 320*T samples give exactly T frames, aligned with the codes [K, T]."""
+    assert ConvFrontend(16)(torch.randn(2, 320 * T)).shape == (2, T, 16)
+
+
+def test_frontend_rejects_unaligned_length():
+    """A waveform that is not a multiple of the hop is refused, with the length named."""
+    with pytest.raises(ValueError, match="1000 is not a multiple of 320"):
+        ConvFrontend(16)(torch.randn(1, 1000))
+
+
+@pytest.mark.parametrize("scheme", ["pre", "post"])
+def test_forward_backward_finite(scheme):
+    """pre and post: forward gives finite losses, backward gives finite gradients on every parameter."""
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(norm_scheme=scheme, **TINY))
+    wav, codes, mask = _inputs()
+    out = model(wav, wav, codes, mask)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert missing == []
+
+
+def test_acoustic_loss_is_sum_of_codebook_losses():
+    """acoustic_mlm_loss is the sum of the per-codebook CEs, each a plain cross-entropy."""
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(50, 8, 1024, generator=g), torch.randint(0, 1024, (50, 8), generator=g)
+    total, per_cb, acc = acoustic_losses(logits, targets)
+    ref = torch.stack([torch.nn.functional.cross_entropy(logits[:, k], targets[:, k]) for k in range(8)])
+    torch.testing.assert_close(per_cb, ref)
+    torch.testing.assert_close(total, ref.sum())
+    assert acc.shape == (8,)
+
+
+def test_losses_use_masked_frames_only():
+    """Changing targets on unmasked frames leaves every loss unchanged; on a masked frame it does not."""
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(**TINY)).eval()
+    wav, codes, mask = _inputs(B=1)
+    base = model(wav, wav, codes, mask)
+    other = codes.clone()
+    other[:, :, ~mask[0]] = (codes[:, :, ~mask[0]] + 1) % 1024
+    same = model(wav, wav, other, mask)
+    torch.testing.assert_close(same.acoustic_ce, base.acoustic_ce)
+    torch.testing.assert_close(same.loss, base.loss)
+    t = int(mask[0].nonzero()[0])
+    other[:, 3, t] = (codes[:, 3, t] + 1) % 1024
+    changed = model(wav, wav, other, mask)
+    assert not torch.allclose(changed.acoustic_ce[3], base.acoustic_ce[3])
+    torch.testing.assert_close(changed.acoustic_ce[:3], base.acoustic_ce[:3])
+
+
+def test_per_codebook_losses_reported_separately():
+    """Corrupting one codebook's targets raises that codebook's loss only."""
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(**TINY)).eval()
+    wav, codes, mask = _inputs(B=1)
+    with torch.no_grad():
+        logits = model.acoustic(model.encode(wav, mask)[0][mask])
+    best = logits.argmax(-1).T.unsqueeze(0)  # (1, K, N): targets the model already predicts
+    targets = codes.clone()
+    targets[:, :, mask[0]] = best
+    good = model(wav, wav, targets, mask)
+    assert torch.all(good.acoustic_acc == 1.0)
+    targets[:, 5, mask[0]] = (best[:, 5] + 1) % 1024
+    bad = model(wav, wav, targets, mask)
+    assert bad.acoustic_ce[5] > good.acoustic_ce[5]
+    torch.testing.assert_close(bad.acoustic_ce[:5], good.acoustic_ce[:5])
+    assert bad.acoustic_acc[5] == 0.0
+
+
+def test_musical_target_is_cqt_of_clean_waveform():
+    """The musical loss regresses the CQT of the clean crop, not of the noise-mixed input."""
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(**TINY)).eval()
+    wav, codes, mask = _inputs(B=1)
+    noisy = wav + 0.3 * torch.randn_like(wav)
+    out = model(noisy, wav, codes, mask)
+    with torch.no_grad():
+        pred = model.musical(model.encode(noisy, mask)[0][mask])
+        from_clean = torch.nn.functional.mse_loss(pred, model.cqt(wav)[mask])
+        from_noisy = torch.nn.functional.mse_loss(pred, model.cqt(noisy)[mask])
+    torch.testing.assert_close(out.musical_mlm_loss, from_clean)
+    assert not torch.allclose(from_clean, from_noisy)

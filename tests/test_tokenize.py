@@ -1,0 +1,228 @@
+"""Tokenizing audio into EnCodec codes: shapes, frame alignment, metadata, failures, HF input, CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.error
+
+import datasets
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from musiclm_stab.encodec_weights import load_encodec
+from musiclm_stab.tokenize import (
+    TokenizeError,
+    TokenizerMismatch,
+    check_same_tokenizer,
+    cli_main,
+    encode_batch,
+    load_tokenized,
+    segment_bounds,
+    tokenize,
+)
+
+SR = 24_000
+
+
+def test_rows_have_codes_8_by_samples_over_320(tokenized_dataset):
+    """Every row has codes [8, T] with T = len(pcm) / 320 exactly and num_frames = T."""
+    ds, _ = load_tokenized(tokenized_dataset)
+    assert ds.num_rows == 6
+    for row in ds.with_format("numpy"):
+        assert len(row["pcm"]) % 320 == 0
+        assert row["codes"].shape == (8, len(row["pcm"]) // 320) == (8, row["num_frames"])
+        assert 0 <= row["codes"].min() and row["codes"].max() < 1024
+
+
+def test_segments_are_slices_of_the_track_in_order(tokenized_dataset):
+    """Rows come sorted by track then start: a 10 s segment and a 2 s tail, each the exact source slice."""
+    ds, _ = load_tokenized(tokenized_dataset)
+    assert ds["id"] == [f"track_{i}.wav@{s}" for i in range(3) for s in (0, 240_000)]
+    assert ds["track"] == [f"track_{i}.wav" for i in range(3) for _ in range(2)]
+    assert ds["start"] == [0.0, 10.0] * 3
+    assert ds["num_frames"] == [750, 150] * 3
+    source = tokenized_dataset.parent / "audio"
+    for row in ds.with_format("numpy"):
+        audio, _ = sf.read(source / row["track"], dtype="float32")
+        start = int(row["start"] * SR)
+        np.testing.assert_array_equal(row["pcm"], audio[start : start + len(row["pcm"])])
+
+
+def test_codes_are_the_encoders_codes_and_not_constant(tokenized_dataset, local_weights):
+    """Stored codes equal EnCodec's codes of the stored pcm, and every level uses > 50 distinct codes."""
+    ds, _ = load_tokenized(tokenized_dataset)
+    model, _ = load_encodec(str(local_weights))
+    rows = ds.with_format("torch")
+    full = [r for r in rows if r["num_frames"] == 750]  # encoded as one batch of equal-length segments
+    codes = encode_batch(model, torch.stack([r["pcm"] for r in full]))  # (3, 8, 750)
+    stored = torch.stack([r["codes"] for r in full]).to(torch.int16)
+    agree = (codes == stored).float().mean().item()
+    assert agree > 0.999, agree  # bit-exact here; a float-level tie may flip a code elsewhere
+    for r in full:
+        distinct = [len(r["codes"][k].unique()) for k in range(8)]
+        assert min(distinct) > 50, distinct
+
+
+def test_metadata_records_the_tokenizer(tokenized_dataset, local_weights):
+    """tokenizer.json holds the weights' sha256, the settings and the dataset's size and note."""
+    _, meta = load_tokenized(tokenized_dataset)
+    _, info = load_encodec(str(local_weights))
+    assert meta["weights_sha256"] == info["weights_sha256"] and len(meta["weights_sha256"]) == 64
+    expected = {"model": "encodec_24khz", "weights": "local", "weights_file": "encodec_local.th",
+                "bandwidth": 6.0, "sample_rate": 24000, "frame_rate": 75, "hop_length": 320,
+                "num_codebooks": 8, "codebook_size": 1024, "segment_seconds": 10.0, "min_seconds": 1.0,
+                "num_rows": 6, "num_tracks": 3, "total_seconds": 36.0, "num_failures": 0,
+                "weights_note": "test weights fitted on synthetic music"}
+    assert {k: meta[k] for k in expected} == expected
+    assert (tokenized_dataset / "failures.jsonl").read_text() == ""
+
+
+def test_check_same_tokenizer_refuses_a_mismatch(tokenized_dataset):
+    """Equal tokenizer info passes; another sha256 or frame rate raises, naming both sides and values."""
+    _, meta = load_tokenized(tokenized_dataset)
+    check_same_tokenizer(meta, dict(meta), "train data", "eval data")
+    other = {**meta, "weights_sha256": "f" * 64, "weights": "pretrained", "weights_file": None}
+    with pytest.raises(TokenizerMismatch) as e:
+        check_same_tokenizer(meta, other, "train data", "checkpoint")
+    msg = str(e.value)
+    assert "train data" in msg and "checkpoint" in msg
+    assert meta["weights_sha256"] in msg and "f" * 64 in msg
+    with pytest.raises(TokenizerMismatch, match="frame_rate: 75 .* != 50"):
+        check_same_tokenizer(meta, {**meta, "frame_rate": 50}, "a", "b")
+
+
+@pytest.mark.parametrize("samples,expected", [
+    (240_000, [(0, 240_000)]),  # exactly one segment
+    (240_000 + 23_999, [(0, 240_000)]),  # tail just under 1 s: dropped
+    (240_000 + 24_000, [(0, 240_000), (240_000, 24_000)]),  # tail of exactly 1 s: kept
+    (240_000 + 30_100, [(0, 240_000), (240_000, 30_080)]),  # tail trimmed to 94 frames
+    (500_000, [(0, 240_000), (240_000, 240_000)]),  # 20_000-sample tail < 1 s
+    (23_999, []),
+])
+def test_segment_bounds(samples, expected):
+    """Segments are full 10 s pieces; the tail is cut to whole frames and kept only if >= min_seconds."""
+    assert segment_bounds(samples, 240_000, 24_000) == expected
+
+
+def test_bad_files_are_reported_while_good_files_are_tokenized(tmp_path, local_weights, make_music):
+    """Text-as-wav, empty, NaN and too-short files go to failures.jsonl; good mono and stereo 44.1 kHz
+    files are tokenized (the stereo one down-mixed, resampled to 60000 samples, cut to 59840)."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    sf.write(src / "good.flac", make_music(3.0, seed=11), SR)
+    sf.write(src / "sub" / "stereo44k.wav", make_music(2.5, seed=12, sr=44_100, channels=2), 44_100)
+    (src / "text.wav").write_text("not audio")
+    (src / "empty.ogg").write_bytes(b"")
+    sf.write(src / "nan.wav", np.full(48_000, np.nan, dtype=np.float32), SR, subtype="FLOAT")
+    sf.write(src / "short.wav", make_music(0.5, seed=13), SR)
+    summary = tokenize(src, tmp_path / "out", weights=str(local_weights), progress=False)
+    assert (summary.num_tracks, summary.num_rows, summary.num_failures) == (2, 2, 4)
+    assert summary.total_seconds == pytest.approx((72_000 + 59_840) / SR)
+    ds, meta = load_tokenized(tmp_path / "out")
+    assert ds["track"] == ["good.flac", "sub/stereo44k.wav"]
+    assert [len(p) for p in ds["pcm"]] == [72_000, 59_840] and ds["num_frames"] == [225, 187]
+    assert meta["num_failures"] == 4
+    failures = [json.loads(line) for line in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
+    reasons = {f["path"].rsplit("/", 1)[-1]: f["reason"] for f in failures}
+    assert set(reasons) == {"text.wav", "empty.ogg", "nan.wav", "short.wav"}
+    assert "not a readable audio file" in reasons["text.wav"]
+    assert "empty file" in reasons["empty.ogg"]
+    assert "not finite" in reasons["nan.wav"]
+    assert "too short" in reasons["short.wav"]
+
+
+def test_every_file_failing_is_an_error(tmp_path, local_weights):
+    """A run where every input fails raises TokenizeError and still writes failures.jsonl."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.wav").write_text("x")
+    (src / "b.mp3").write_bytes(b"")
+    with pytest.raises(TokenizeError, match="every one of the 2 inputs failed"):
+        tokenize(src, tmp_path / "out", weights=str(local_weights), progress=False)
+    assert len((tmp_path / "out" / "failures.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(TokenizeError, match="no audio found"):
+        tokenize(tmp_path / "out", tmp_path / "out2", weights=str(local_weights), progress=False)
+
+
+def test_hf_dataset_with_audio_column(tmp_path, local_weights, make_music):
+    """A saved HF dataset whose Audio column holds encoded bytes is tokenized (decoded with decode=False);
+    tracks are named by row index, and a plain path-string column works with --audio-column."""
+    rows = []
+    for i, (seconds, sr) in enumerate([(2.0, 16_000), (1.5, 24_000)]):
+        buf = io.BytesIO()
+        sf.write(buf, make_music(seconds, seed=20 + i, sr=sr), sr, format="FLAC")
+        rows.append({"bytes": buf.getvalue(), "path": f"clip{i}.flac"})
+    ds = datasets.Dataset.from_dict({"audio": rows, "label": ["x", "y"]})
+    ds = ds.cast_column("audio", datasets.Audio())  # a real Audio feature (decoding needs torchcodec)
+    ds.save_to_disk(str(tmp_path / "hf"))
+    summary = tokenize(tmp_path / "hf", tmp_path / "out", weights=str(local_weights), progress=False)
+    out, meta = load_tokenized(tmp_path / "out")
+    assert out["track"] == ["0", "1"] and out["id"] == ["0@0", "1@0"]
+    assert out["num_frames"] == [150, 112] and [len(p) for p in out["pcm"]] == [48_000, 35_840]
+    assert meta["source_kind"] == "hf_dataset" and summary.num_failures == 0
+
+    paths = []
+    for i in range(2):
+        sf.write(tmp_path / f"f{i}.wav", make_music(1.2, seed=30 + i), SR)
+        paths.append(str(tmp_path / f"f{i}.wav"))
+    datasets.Dataset.from_dict({"file": paths + [str(tmp_path / "gone.wav")], "path": ["b", "a", "c"]}) \
+        .save_to_disk(str(tmp_path / "hf2"))
+    with pytest.raises(TokenizeError, match="no column 'audio'.*--audio-column"):
+        tokenize(tmp_path / "hf2", tmp_path / "out2", weights=str(local_weights), progress=False)
+    summary = tokenize(tmp_path / "hf2", tmp_path / "out2", weights=str(local_weights), audio_column="file",
+                       progress=False)
+    out2, _ = load_tokenized(tmp_path / "out2")
+    assert out2["track"] == ["b", "a"] and summary.num_failures == 1  # named by the path column
+    failure = json.loads((tmp_path / "out2" / "failures.jsonl").read_text())
+    assert failure["path"].endswith("[2]") and failure["reason"].endswith("gone.wav: file does not exist")
+
+
+def test_output_folder_is_protected(tmp_path, tokenized_dataset, local_weights):
+    """An existing output is kept unless overwrite=True, and a folder that is not one is never deleted."""
+    with pytest.raises(FileExistsError, match="overwrite"):
+        tokenize(tokenized_dataset.parent / "audio", tokenized_dataset, weights=str(local_weights))
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.tex").write_text("...")
+    with pytest.raises(FileExistsError, match="does not look like a tokenized dataset"):
+        tokenize(tokenized_dataset.parent / "audio", tmp_path / "precious", weights=str(local_weights),
+                 overwrite=True)
+    assert (tmp_path / "precious" / "thesis.tex").exists()
+
+
+def test_load_tokenized_explains_bad_paths(tmp_path):
+    """A missing folder, or a folder without tokenizer.json, gives a clear error."""
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenized(tmp_path / "nothing")
+    datasets.Dataset.from_dict({"x": [1]}).save_to_disk(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="not a tokenized dataset: tokenizer.json is missing"):
+        load_tokenized(tmp_path / "plain")
+
+
+def test_cli_tokenize_and_overwrite(tmp_path, local_weights, make_music, capsys):
+    """The CLI prints the summary, replaces its output with --overwrite, and explains missing weights."""
+    (tmp_path / "src").mkdir()
+    sf.write(tmp_path / "src" / "a.wav", make_music(2.0, seed=40), SR)
+    args = [str(tmp_path / "src"), str(tmp_path / "out"), "--weights", str(local_weights), "--segment-seconds", "1"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "tokenized 1 tracks into 2 segments" in printed and "x real time" in printed
+    assert cli_main(args) == 1 and "--overwrite" in capsys.readouterr().err
+    assert cli_main(args + ["--overwrite", "--weights-note", "second run"]) == 0
+    assert load_tokenized(tmp_path / "out")[1]["weights_note"] == "second run"
+
+
+def test_cli_without_weights_offline_explains(tmp_path, monkeypatch, make_music, capsys):
+    """With no --weights and no download possible, the CLI exits 1 with the how-to message."""
+    def fail(*args, **kwargs):
+        raise urllib.error.URLError("offline")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", fail)
+    (tmp_path / "src").mkdir()
+    sf.write(tmp_path / "src" / "a.wav", make_music(1.0, seed=41), SR)
+    assert cli_main([str(tmp_path / "src"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "--weights FILE" in err and "make-weights" in err
+    assert not (tmp_path / "out").exists()
