@@ -169,7 +169,8 @@ class TrainConfig:
     run: int = 1  # run number, shown in legends ("Run 1"); seeds differ unless train.seed is set
     label: str | None = None  # legend text; derived from the config when not given
     seed: int = 0
-    max_steps: int = 100  # optimizer updates
+    max_steps: int = 100  # optimizer updates; the lr schedule decays to 0 here
+    stop_at: int | None = None  # stop early at this step (with a checkpoint), schedule unchanged; --resume goes on
     mixed_precision: str = "no"
     grad_accum: int = 1
     log_every: int = 1

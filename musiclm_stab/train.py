@@ -79,7 +79,10 @@ def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
     collator = Collator(cfg.data, cfg.model.resolved(), seed=cfg.train.seed)
     loader = DataLoader(dataset, batch_size=cfg.data.batch_size, sampler=sampler, collate_fn=collator,
                         drop_last=True, num_workers=cfg.data.num_workers,
-                        pin_memory=torch.cuda.is_available())
+                        pin_memory=torch.cuda.is_available(),
+                        # Its own generator: starting an epoch's iterator must not draw from the global RNG
+                        # (dropout's), or a resumed run would diverge from an uninterrupted one.
+                        generator=torch.Generator().manual_seed(cfg.train.seed))
     return loader, (dataset, sampler, collator)
 
 
@@ -209,7 +212,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     model.train()
-    while step < tcfg.max_steps:
+    last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
+    while step < last_step:
         for i in range(tcfg.grad_accum):
             batch = next(stream)
             sync = i == tcfg.grad_accum - 1
@@ -239,7 +243,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             interval["clipped"] += int(float(grad_norm) > ocfg.clip_grad)
         bar.update(1)
 
-        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
+        if step % tcfg.log_every == 0 or step == last_step:
             values = accelerator.reduce(sums, reduction="mean") / interval["steps"]
             elapsed = time.perf_counter() - interval["t0"]
             good = interval["steps"] - interval["skipped"] - interval["overflow"]
@@ -258,7 +262,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             sums.zero_()
             interval = new_interval()
 
-        if step % tcfg.checkpoint_every == 0 or step == tcfg.max_steps:
+        if step % tcfg.checkpoint_every == 0 or step == last_step:
             save_checkpoint(accelerator, run_dir, step, consumed, tcfg.keep_checkpoints)
     bar.close()
     accelerator.end_training()
@@ -298,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rest if not (r.startswith("--") and "=" in r)]
     if bad:
         parser.error(f"unrecognized arguments {bad}; overrides look like --section.key=value")
+    from musiclm_stab.tokenize import TokenizerMismatch
+
     try:
         cfg = load_config(args.config, rest)
         train(cfg, resume=args.resume)
-    except ConfigError as e:
+    except (ConfigError, TokenizerMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

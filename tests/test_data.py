@@ -1,0 +1,100 @@
+"""Training data: track split, frame-aligned crops, seeded batches, noise mixup on the input only."""
+
+import numpy as np
+import pytest
+import torch
+
+from musiclm_stab.config import DataConfig, ModelConfig
+from musiclm_stab.data import Collator, CropDataset, EpochSampler, eval_tracks, noise_mixup, split_indices
+from musiclm_stab.tokenize import load_tokenized
+
+
+@pytest.fixture(scope="module")
+def hf(tokenized_dataset):
+    return load_tokenized(tokenized_dataset)[0]
+
+
+def test_split_is_by_track_and_stable():
+    """Held-out tracks are disjoint from training tracks, stable, and at least one when there are two+."""
+    tracks = [f"t{i // 3}" for i in range(30)]  # 10 tracks, 3 segments each
+    train, held = split_indices(tracks, 0.2)
+    assert {tracks[i] for i in train}.isdisjoint({tracks[i] for i in held})
+    assert len({tracks[i] for i in held}) == 2 and len(train) + len(held) == 30
+    assert split_indices(tracks, 0.2) == (train, held)
+    assert len(eval_tracks(["a", "b"], 0.01)) == 1 and eval_tracks(["a"], 0.5) == set()
+
+
+def test_crops_are_frame_aligned(hf):
+    """A crop's PCM is exactly the samples of its code frames: S = 320 * T at the same offset."""
+    ds = CropDataset(hf, list(range(len(hf))), crop_seconds=2.0, seed=3)
+    item = ds[0]
+    row = hf.with_format("numpy")[item["index"]]
+    codes = np.stack(row["codes"]) if row["codes"].dtype == object else row["codes"]
+    T = item["codes"].shape[-1]
+    assert T == 150 and item["pcm"].shape[0] == 320 * T
+    # locate the crop by its codes, then check the PCM comes from the same frames
+    starts = [s for s in range(codes.shape[1] - T + 1) if np.array_equal(codes[:, s:s + T], item["codes"].numpy())]
+    assert starts, "crop codes not found in the segment"
+    s = starts[0]
+    np.testing.assert_array_equal(item["pcm"].numpy(), row["pcm"][s * 320:(s + T) * 320])
+
+
+def test_crops_seeded_by_epoch_and_index(hf):
+    """Same (seed, epoch, index) gives the same crop; another epoch a different one; eval crops are fixed."""
+    ds = CropDataset(hf, list(range(len(hf))), crop_seconds=2.0, seed=0)
+    a = ds[0]["pcm"]
+    assert torch.equal(a, ds[0]["pcm"])
+    ds.set_epoch(1)
+    assert not torch.equal(a, ds[0]["pcm"])
+    fixed = CropDataset(hf, list(range(len(hf))), crop_seconds=2.0, random_crop=False)
+    assert torch.equal(fixed[0]["pcm"], fixed[0]["pcm"])
+
+
+def test_short_segments_left_out(hf):
+    """Segments shorter than the crop are skipped and counted."""
+    ds = CropDataset(hf, list(range(len(hf))), crop_seconds=5.0)
+    assert ds.num_skipped == 3 and len(ds) == 3  # the three 2 s tails
+
+
+def test_sampler_permutation_per_epoch():
+    """The sampler is a seeded permutation, different per epoch, identical for the same epoch."""
+    s = EpochSampler(50, seed=1)
+    e0 = list(s)
+    assert sorted(e0) == list(range(50)) and e0 == list(s)
+    s.set_epoch(1)
+    assert list(s) != e0
+
+
+def test_mixup_changes_input_only():
+    """Mixup adds segments of other clips to the input; the clean crop (targets) is untouched."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randn(4, 24000 * 3, generator=g)
+    before = clean.clone()
+    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0), np.random.default_rng(0))
+    assert torch.equal(clean, before)
+    changed = (mixed != clean).float().mean(-1)
+    assert torch.all(changed > 0.1) and torch.all(changed < 1.0)  # 0.5-1.5 s segments of 3 s clips
+    none = noise_mixup(clean, DataConfig(mixup_prob=0.0), np.random.default_rng(0))
+    assert torch.equal(none, clean)
+
+
+def test_mixup_segments_come_from_other_clips():
+    """With constant clips, each mixed clip gains only other clips' values (never its own)."""
+    clean = torch.stack([torch.full((24000 * 3,), float(v)) for v in (1.0, 2.0)])
+    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0, mixup_gain_db=(0.0, 0.0)), np.random.default_rng(1))
+    # gain 0 dB relative to the clip's RMS: a segment from clip j, scaled to clip i's level, adds clip i's level
+    assert set(torch.unique(mixed[0]).tolist()) <= {1.0, 2.0, 3.0, 4.0}
+    assert (mixed[0] > 1.0).any()
+
+
+def test_collator_batches_are_seeded(hf):
+    """A batch depends only on (seed, epoch, indices): same inputs, same wav and masks."""
+    ds = CropDataset(hf, list(range(len(hf))), crop_seconds=2.0)
+    col = Collator(DataConfig(mixup_prob=1.0), ModelConfig().resolved(), seed=5)
+    items = [ds[0], ds[1]]
+    a, b = col(items), col(items)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["mask"].shape == (2, 150) and a["codes"].shape == (2, 8, 150)
+    assert not torch.equal(a["wav"], a["clean_wav"])
+    col.set_epoch(1)
+    assert not torch.equal(col(items)["mask"], a["mask"])
