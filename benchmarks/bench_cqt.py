@@ -5,9 +5,12 @@
 Both run with the reference settings (24 kHz, hop 320, fmin 32.7 Hz, 336 bins, 48 per octave) on one
 synthetic music-like clip (harmonic notes with envelopes over a -60 dB noise floor). Runs alternate
 (ours, librosa, ours, ...) so that load from other jobs hits both alike; each is warmed up once first
-(librosa builds and caches its filters on the first call). Agreement is measured on frames aligned by
-a half-hop shift (librosa centres frame t at t*hop, ours at t*hop + hop/2). nnAudio's CQT1992v2 is
-timed too when it is importable (it is not a dependency).
+(librosa builds and caches its filters on the first call). On a machine shared with other busy
+processes, use ``--threads 1`` (or ``OMP_WAIT_POLICY=PASSIVE``): torch's OpenMP threads spin-wait at
+every op, and when a core is taken by another process each op waits for a time slice, which made our
+2-thread runs 20-50x slower here while librosa (single-threaded) was barely affected. Agreement is
+measured on frames aligned by a half-hop shift (librosa centres frame t at t*hop, ours at
+t*hop + hop/2). nnAudio's CQT1992v2 is timed too when it is importable (it is not a dependency).
 """
 
 from __future__ import annotations

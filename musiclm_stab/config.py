@@ -148,9 +148,14 @@ class OptimConfig:
     eps: float = 1e-6
     weight_decay: float = 0.01
     warmup_steps: int = 10
-    # Gradient clipping: `fixed` clips at clip_grad; adaptive modes use it as an upper bound.
+    # Gradient clipping (see stability.GradClipper): `fixed` clips at clip_grad; the adaptive rules
+    # `zclip` and `autoclip` use clip_grad until clip_warmup finite norms have been seen.
     clip_mode: str = "fixed"
     clip_grad: float = 10.0
+    clip_warmup: int = 25
+    zclip_z: float = 2.5
+    zclip_alpha: float = 0.97
+    autoclip_percentile: float = 10.0
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -160,6 +165,10 @@ class OptimConfig:
         _choice("optim.clip_mode", self.clip_mode, CLIP_MODES)
         if self.clip_grad <= 0:
             raise ConfigError(f"optim.clip_grad must be > 0, got {self.clip_grad}")
+        if not 0 < self.zclip_alpha < 1:
+            raise ConfigError(f"optim.zclip_alpha must be in (0, 1), got {self.zclip_alpha}")
+        if not 0 < self.autoclip_percentile <= 100:
+            raise ConfigError(f"optim.autoclip_percentile must be in (0, 100], got {self.autoclip_percentile}")
 
 
 @dataclass
@@ -176,14 +185,32 @@ class TrainConfig:
     log_every: int = 1
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    # Diagnostics: per-layer max attention logit and gradient norm every N steps (0 = off).
+    diagnostics_every: int = 0
+    # Loss-spike guard (off by default): roll back to the newest checkpoint and skip the offending batches.
+    spike_guard: bool = False
+    spike_window: int = 50
+    spike_warmup: int = 20
+    spike_z: float = 6.0
+    spike_min_rel: float = 0.1
+    max_rollbacks: int = 10
+    # Fault injection, for testing the stability tools end to end: at this step, make every gradient
+    # NaN (inject_nan_at) or multiply the loss by 1000 (inject_spike_at).
+    inject_nan_at: int | None = None
+    inject_spike_at: int | None = None
 
     def validate(self) -> None:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
-        for name in ("grad_accum", "log_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("grad_accum", "log_every", "checkpoint_every", "keep_checkpoints", "spike_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.diagnostics_every < 0 or (self.diagnostics_every and self.diagnostics_every % self.log_every):
+            raise ConfigError(f"train.diagnostics_every={self.diagnostics_every} must be 0 (off) or a multiple "
+                              f"of train.log_every={self.log_every}")
+        if self.stop_at is not None and self.stop_at < 1:
+            raise ConfigError(f"train.stop_at must be >= 1, got {self.stop_at}")
 
 
 @dataclass
@@ -248,6 +275,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} must be {annotation.__name__}, got {value!r}") from None
         return number
     if annotation is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare `no` / `yes` as a boolean
+            return "no" if value is False else "yes"
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
@@ -291,7 +320,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, value = item.split("=", 1)
-        _set(cfg, key, yaml.safe_load(value) if value else value)
+        _set(cfg, key, value)  # raw text: _coerce converts it by the field's type ("no" stays a string)
     return cfg.validate()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -23,13 +24,14 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from musiclm_stab.config import Config, ConfigError, load_config, save_config
 from musiclm_stab.data import Collator, CropDataset, EpochSampler, split_indices
 from musiclm_stab.model import MusicMLM, count_parameters
+from musiclm_stab.stability import GradClipper, SpikeGuard, layer_diagnostics, record_attention_logits
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -163,112 +165,226 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, consumed
     return final
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
-    """Run (or resume) pretraining as configured; returns the run directory."""
-    tcfg, ocfg = cfg.train, cfg.optim
-    accelerator = Accelerator(
-        mixed_precision=tcfg.mixed_precision,
-        log_with="tensorboard",
-        project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
-    )
-    set_seed(tcfg.seed + 1000 * tcfg.run)
-    tokenizer_info: dict = {}
-    loader, epoch_objects = build_data(cfg, accelerator, tokenizer_info)
-    check_run_dir(cfg, resume, tokenizer_info)
-    if accelerator.is_main_process:
-        write_run_dir(cfg, tokenizer_info)
-    accelerator.wait_for_everyone()
-    run_dir = cfg.run_dir
+class Trainer:
+    """The training loop's state and its two halves: ``train_step`` (micro-batches) and ``update``."""
 
-    model = MusicMLM(cfg.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
-                                  weight_decay=ocfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    def __init__(self, cfg: Config, resume: bool = False):
+        self.cfg = cfg
+        tcfg, ocfg = cfg.train, cfg.optim
+        if tcfg.mixed_precision == "fp16" and not torch.cuda.is_available():
+            raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU accelerate neither autocasts "
+                              "nor scales the loss, so the run would silently be fp32. Use bf16 or no on CPU "
+                              "(the fp16 behaviour of the attention forms is tested on fp16 tensors).")
+        self.accelerator = accelerator = Accelerator(
+            mixed_precision=tcfg.mixed_precision,
+            log_with="tensorboard",
+            # The CQT kernels are constant buffers: no need to broadcast them every step under DDP.
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+            project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
+        )
+        set_seed(tcfg.seed + 1000 * tcfg.run)
+        tokenizer_info: dict = {}
+        loader, self.epoch_objects = build_data(cfg, accelerator, tokenizer_info)
+        check_run_dir(cfg, resume, tokenizer_info)
+        if accelerator.is_main_process:
+            write_run_dir(cfg, tokenizer_info)
+        accelerator.wait_for_everyone()
+        self.run_dir = cfg.run_dir
 
-    step, consumed = 0, 0
-    if resume:
-        ckpts = list_checkpoints(run_dir)
-        if ckpts:
-            accelerator.load_state(str(ckpts[-1]))
-            state = json.loads((ckpts[-1] / STATE_FILE).read_text())
-            step, consumed = state["step"], state["consumed_micro_batches"]
-            accelerator.print(f"resumed from {ckpts[-1]} at step {step}")
-        else:
-            accelerator.print(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}; starting at step 0")
+        model = MusicMLM(cfg.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
+                                      weight_decay=ocfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
+        self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
+            model, optimizer, loader, scheduler)
+        self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
+        accelerator.register_for_checkpointing(self.clipper, self.guard)
 
-    accelerator.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
-    writer = MetricsWriter(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    names = metric_names(cfg.model.num_codebooks)
-    global_batch_s = cfg.data.batch_size * tcfg.grad_accum * accelerator.num_processes * cfg.data.crop_seconds
-    if accelerator.is_main_process:
-        print(f"run {run_dir}: {count_parameters(model) / 1e6:.2f}M parameters, scheme={cfg.model.norm_scheme}, "
-              f"attention={cfg.model.attention}, precision={tcfg.mixed_precision}, global batch "
-              f"{global_batch_s:.0f} audio-s, {len(loader)} micro-batches per epoch")
+        self.step, self.consumed, self.rollbacks = 0, 0, 0
+        self.injected: set[str] = set()  # fault injection fires once, even if a rollback replays the step
+        if resume:
+            ckpts = list_checkpoints(self.run_dir)
+            if ckpts:
+                self.step = self.load_checkpoint(ckpts[-1])
+                accelerator.print(f"resumed from {ckpts[-1]} at step {self.step}")
+            else:
+                accelerator.print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; "
+                                  "starting at step 0")
+        self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
+        self.names = metric_names(cfg.model.num_codebooks)
+        self.global_batch_s = (cfg.data.batch_size * tcfg.grad_accum * accelerator.num_processes
+                               * cfg.data.crop_seconds)
 
-    stream = micro_batches(loader, epoch_objects, accelerator, consumed)
-    sums = torch.zeros(len(names), device=accelerator.device)
-    interval = new_interval()
-    bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    model.train()
-    last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
-    while step < last_step:
+    def load_checkpoint(self, ckpt: Path) -> int:
+        self.accelerator.load_state(str(ckpt))
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        self.consumed = state["consumed_micro_batches"]
+        return state["step"]
+
+    def train_step(self) -> tuple[torch.Tensor, dict]:
+        """Forward/backward over grad_accum micro-batches; returns (metric vector, diagnostics)."""
+        tcfg, acc = self.cfg.train, self.accelerator
+        step = self.step + 1
+        diagnose = tcfg.diagnostics_every and step % tcfg.diagnostics_every == 0
+        spike = self._inject("spike", step == tcfg.inject_spike_at)
+        sums = torch.zeros(len(self.names), device=acc.device)
         for i in range(tcfg.grad_accum):
-            batch = next(stream)
-            sync = i == tcfg.grad_accum - 1
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                with accelerator.autocast():
-                    out = model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
-                accelerator.backward(out.loss / tcfg.grad_accum)
-            sums += _metric_vector(out).detach() / tcfg.grad_accum
-            consumed += 1
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), ocfg.clip_grad)  # norm before clipping
-        finite = bool(torch.isfinite(grad_norm))  # one host sync per step: needed to skip bad updates
-        if accelerator.scaler is not None:
-            optimizer.step()  # fp16: the grad scaler skips non-finite updates itself and lowers the scale
-            overflow = accelerator.optimizer_step_was_skipped
+            batch = next(self.stream)
+            self.consumed += 1
+            last = i == tcfg.grad_accum - 1
+            if diagnose and last:
+                record_attention_logits(self.model, True)
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                with acc.autocast():
+                    out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
+                loss = out.loss * 1000.0 if spike else out.loss
+                acc.backward(loss / tcfg.grad_accum)
+            vec = _metric_vector(out).detach()
+            vec[0] = loss.detach().float()
+            sums += vec / tcfg.grad_accum
+        diag = {}
+        if diagnose:
+            scale = float(acc.scaler.get_scale()) if acc.scaler is not None else 1.0
+            diag = layer_diagnostics(self.model, grad_scale=scale)
+            record_attention_logits(self.model, False)
+        if self._inject("nan", step == tcfg.inject_nan_at):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        return sums, diag
+
+    def _inject(self, fault: str, due: bool) -> bool:
+        if due and fault not in self.injected:
+            self.injected.add(fault)
+            return True
+        return False
+
+    def update(self) -> dict:
+        """Clip and apply the accumulated gradients, unless they are non-finite. Advances the step.
+
+        Returns {"grad_norm": pre-clip norm (float), "clipped", "skipped", "overflow"}.
+        """
+        acc = self.accelerator
+        threshold = self.clipper.threshold()
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), threshold)  # norm before clipping
+        norm = float(grad_norm)  # one host sync per step: needed to skip non-finite updates
+        finite = math.isfinite(norm)
+        if acc.scaler is not None:
+            self.optimizer.step()  # fp16: the grad scaler skips non-finite updates itself, lowers the scale
+            overflow = acc.optimizer_step_was_skipped
         else:
             overflow = False
             if finite:
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        interval["steps"] += 1
-        interval["overflow"] += int(overflow)
-        interval["skipped"] += int(not finite and not overflow)
-        if finite:  # skipped and overflow steps never enter the gradient-norm statistics
-            interval["grad_norm"] += float(grad_norm)
-            interval["clipped"] += int(float(grad_norm) > ocfg.clip_grad)
-        bar.update(1)
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        skipped = not finite and not overflow
+        if finite and not overflow:
+            self.clipper.observe(norm)  # skipped and overflow steps feed no statistic
+        return {"grad_norm": norm, "threshold": threshold, "clipped": finite and norm > threshold,
+                "skipped": skipped, "overflow": overflow}
 
-        if step % tcfg.log_every == 0 or step == last_step:
-            values = accelerator.reduce(sums, reduction="mean") / interval["steps"]
-            elapsed = time.perf_counter() - interval["t0"]
-            good = interval["steps"] - interval["skipped"] - interval["overflow"]
-            row = {"step": step, **dict(zip(names, values.tolist())),
-                   "grad_norm": interval["grad_norm"] / good if good else float("nan"),
-                   "grad_clipped": interval["clipped"] / max(1, good),
-                   "skipped_step": interval["skipped"],
-                   "lr": scheduler.get_last_lr()[0],
-                   "audio_s_per_s": global_batch_s * interval["steps"] / elapsed}
-            if accelerator.scaler is not None:
-                row["loss_scale"] = float(accelerator.scaler.get_scale())
-                row["overflow_step"] = interval["overflow"]
-            writer.write(row)
-            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
-            sums.zero_()
-            interval = new_interval()
+    def maybe_roll_back(self, step_loss: float, writer: MetricsWriter) -> bool:
+        """Spike guard: roll back to the newest checkpoint before this step; the data stream goes on, so
+        the batches since that checkpoint are skipped. Returns True if it rolled back."""
+        tcfg = self.cfg.train
+        if not tcfg.spike_guard:
+            return False
+        if not self.guard.is_spike(step_loss):
+            self.guard.observe(step_loss)
+            return False
+        spike_step = self.step
+        earlier = [c for c in list_checkpoints(self.run_dir) if int(c.name[len(CHECKPOINT_PREFIX):]) < spike_step]
+        if not earlier or self.rollbacks >= tcfg.max_rollbacks:
+            why = "no earlier checkpoint" if not earlier else f"train.max_rollbacks={tcfg.max_rollbacks} reached"
+            writer.write({"step": spike_step, "event": "spike", "loss": step_loss, "reason": f"not rolled back: {why}"})
+            self.accelerator.print(f"loss spike at step {spike_step} ({step_loss:.4g}); not rolled back: {why}")
+            return False
+        consumed = self.consumed
+        to_step = self.load_checkpoint(earlier[-1])
+        skipped = consumed - self.consumed
+        self.consumed, self.step = consumed, to_step  # keep the data position: skip the offending batches
+        self.rollbacks += 1
+        reason = f"loss {step_loss:.4g} is a spike against the last {len(self.guard.window)} steps"
+        writer.write({"step": spike_step, "event": "rollback", "to_step": to_step, "loss": step_loss,
+                      "skipped_micro_batches": skipped, "reason": reason})
+        self.accelerator.print(f"loss spike at step {spike_step}: {reason}; rolled back to step {to_step}, "
+                               f"skipping {skipped} micro-batches")
+        return True
 
-        if step % tcfg.checkpoint_every == 0 or step == last_step:
-            save_checkpoint(accelerator, run_dir, step, consumed, tcfg.keep_checkpoints)
-    bar.close()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        print(f"done: {run_dir} (step {step}); checkpoints in {run_dir / 'checkpoints'}")
-    return run_dir
+    def run(self) -> Path:
+        cfg, tcfg, acc = self.cfg, self.cfg.train, self.accelerator
+        acc.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
+        if acc.is_main_process:
+            print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
+                  f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, precision={tcfg.mixed_precision}, "
+                  f"global batch {self.global_batch_s:.0f} audio-s, {len(self.loader)} micro-batches per epoch")
+        last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
+        bar = tqdm(total=last_step, initial=self.step, desc="train", disable=not acc.is_main_process,
+                   dynamic_ncols=True)
+        sums = torch.zeros(len(self.names), device=acc.device)
+        interval, diag = new_interval(), {}
+        self.model.train()
+        while self.step < last_step:
+            step_sums, step_diag = self.train_step()
+            result = self.update()
+            diag.update(step_diag)
+            sums += step_sums
+            interval["steps"] += 1
+            interval["overflow"] += int(result["overflow"])
+            interval["skipped"] += int(result["skipped"])
+            if not (result["skipped"] or result["overflow"]):
+                interval["grad_norm"] += result["grad_norm"]
+                interval["clipped"] += int(result["clipped"])
+            bar.update(1)
+
+            if self.step % tcfg.log_every == 0 or self.step == last_step:
+                row = self.metrics_row(sums, interval, diag)
+                writer.write(row)
+                acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
+                sums.zero_()
+                interval, diag = new_interval(), {}
+            if tcfg.spike_guard and self.maybe_roll_back(float(step_sums[0]), writer):
+                bar.n = self.step
+                bar.refresh()
+                sums.zero_()
+                interval, diag = new_interval(), {}
+                continue  # never checkpoint the spiked state
+            if self.step % tcfg.checkpoint_every == 0 or self.step == last_step:
+                save_checkpoint(acc, self.run_dir, self.step, self.consumed, tcfg.keep_checkpoints)
+        bar.close()
+        acc.end_training()
+        if acc.is_main_process:
+            print(f"done: {self.run_dir} (step {self.step}); checkpoints in {self.run_dir / 'checkpoints'}")
+        return self.run_dir
+
+    def metrics_row(self, sums: torch.Tensor, interval: dict, diag: dict) -> dict:
+        """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
+        acc = self.accelerator
+        values = acc.reduce(sums, reduction="mean") / max(1, interval["steps"])
+        elapsed = time.perf_counter() - interval["t0"]
+        good = interval["steps"] - interval["skipped"] - interval["overflow"]
+        row = {"step": self.step, **dict(zip(self.names, values.tolist())),
+               "grad_norm": interval["grad_norm"] / good if good else float("nan"),
+               "grad_clipped": interval["clipped"] / good if good else 0.0,
+               "grad_clip_threshold": self.clipper.threshold(),
+               "skipped_step": interval["skipped"],
+               "lr": self.scheduler.get_last_lr()[0],
+               "audio_s_per_s": self.global_batch_s * interval["steps"] / elapsed}
+        if acc.scaler is not None:
+            row["loss_scale"] = float(acc.scaler.get_scale())
+            row["overflow_step"] = interval["overflow"]
+        if diag:
+            row.update({k: float(v) for k, v in diag.items()})
+        return row
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """Run (or resume) pretraining as configured; returns the run directory."""
+    return Trainer(cfg, resume).run()
 
 
 def new_interval() -> dict:

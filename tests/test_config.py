@@ -57,3 +57,11 @@ def test_missing_recipe_named():
     """A missing recipe file is named in the error."""
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_config("nope.yaml")
+
+
+def test_yaml_words_stay_strings(tmp_path):
+    """`no` on the command line and in a recipe stays the string "no", not YAML's boolean False."""
+    assert load_config(None, ["--train.mixed_precision=no"]).train.mixed_precision == "no"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  mixed_precision: no\n")
+    assert load_config(recipe).train.mixed_precision == "no"

@@ -2,8 +2,9 @@
 
 - ``sdpa``  fused ``scaled_dot_product_attention`` (fast default). It never materialises the raw
             logits, so it can neither show nor suffer fp16 logit overflow the way the study's runs did.
-- ``math``  the explicit form: logits = (Q K^T) / sqrt(d) in the compute dtype, then softmax. In fp16
-            the Q K^T product overflows to inf once logits pass ~65504, and the softmax turns to NaN.
+- ``math``  the explicit form: logits = (Q K^T) / sqrt(d) in the compute dtype, then softmax. The raw
+            product Q K^T is formed first, so in fp16 (or under fp16 autocast) it overflows to inf once
+            any q.k passes 65504, and the softmax turns the row to NaN.
 - ``relax`` PB-relax (CogView): Q is divided by alpha*sqrt(d) *before* the matmul, so the product stays
             small; then softmax((Q/(alpha sqrt d)) K^T - rowmax) * alpha). Identical to ``math`` in exact
             arithmetic; finite where ``math`` overflows.
@@ -29,8 +30,10 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 
         return torch.softmax(logits, dim=-1)
     if form == "relax":
         logits = (q / (alpha * math.sqrt(d))) @ k.transpose(-2, -1)  # small: divided before the matmul
-        logits = (logits - logits.amax(dim=-1, keepdim=True).detach()) * alpha
-        return torch.softmax(logits.float(), dim=-1).to(q.dtype)
+        # Row max subtracted in the compute dtype (every entry <= 0 and the max exactly 0), then times
+        # alpha in fp32 (in fp16 a far-below-max entry times alpha could overflow to -inf: harmless, untidy).
+        logits = (logits - logits.amax(dim=-1, keepdim=True).detach()).float() * alpha
+        return torch.softmax(logits, dim=-1).to(q.dtype)
     raise ConfigError(f"attention form {form!r} has no explicit probabilities; use math or relax")
 
 

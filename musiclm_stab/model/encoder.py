@@ -33,6 +33,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: SchemeSpec):
         super().__init__()
+        cfg = cfg.resolved()  # sizes filled in, so a layer can be built from a plain ModelConfig
         self.spec, self.dropout = spec, cfg.dropout
         self.attn = SelfAttention(cfg.width, cfg.num_heads, form=cfg.attention, alpha=cfg.relax_alpha,
                                   dropout=cfg.attention_dropout, qk_norm=cfg.qk_norm,
@@ -84,6 +85,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        cfg = cfg.resolved()
         self.spec = resolve_scheme(cfg.norm_scheme, cfg.num_layers)
         self.pos_conv = PositionalConv(cfg.width, cfg.pos_conv_kernel, cfg.pos_conv_groups)
         self.embed_norm = make_norm(cfg.norm_type, cfg.width) if self.spec.embed_norm else None

@@ -1,0 +1,206 @@
+"""Attention forms: sdpa / math / relax agree in fp32; in fp16 math overflows where relax does not.
+
+fp16 matmul and softmax run on the CPU in this torch (2.14.1), as does ``torch.autocast("cpu",
+dtype=torch.float16)``, so the fp16 behaviour is tested here on CPU tensors.
+"""
+
+import math
+
+import pytest
+import torch
+
+from musiclm_stab.config import ConfigError
+from musiclm_stab.model.attention import SelfAttention, attend, attention_probs
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+FORMS = ("sdpa", "math", "relax")
+
+
+def _qkv(B=2, H=3, T=11, d=16, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(scale * torch.randn(B, H, T, d, generator=g) for _ in range(3))
+
+
+def _relax_dividing_after_matmul(q, k, alpha=32.0):
+    """The wrong order (the public implementation's): raw q.k first, divided afterwards."""
+    logits = (q @ k.transpose(-2, -1)) / (alpha * math.sqrt(q.shape[-1]))
+    logits = (logits - logits.amax(dim=-1, keepdim=True)).float() * alpha
+    return torch.softmax(logits, dim=-1)
+
+
+def _sign_inputs(seed=0):
+    """q, k, v in fp16 whose relax arithmetic is exact, with raw q.k far past the fp16 maximum.
+
+    d = 64, alpha = 32, so alpha*sqrt(d) = 256. q = 32 * signs, k = 40 * signs (duplicated keys give
+    ties): q.k = 1280 * m with m an even integer in [-64, 64], up to 81920 > 65504. In relax,
+    q / 256 = 0.125 * signs and (q / 256).k = 5 * m, small integers: exact in fp16. Logit gaps
+    between distinct m are >= 2 * 1280 / 8 = 320, so every row is uniform over its tied keys.
+    """
+    g = torch.Generator().manual_seed(seed)
+    d, T = 64, 12
+
+    def signs(n):
+        return torch.randint(0, 2, (n, d), generator=g).float() * 2 - 1
+
+    patterns = signs(5)
+    keys = patterns[torch.tensor([0, 0, 0, 0, 1, 1, 2, 3, 4, 4, 4, 0])]  # groups of 5, 2, 1, 1, 3
+    queries = torch.cat([patterns, -patterns[:2], signs(T - 7)])  # own pattern, opposite, random
+    q = (32 * queries).view(1, 1, T, d).half()
+    k = (40 * keys).view(1, 1, T, d).half()
+    v = torch.randn(1, 1, T, d, generator=g).half()
+    return q, k, v
+
+
+@pytest.mark.parametrize("qk_scale", [1.0, 4.0])
+def test_forms_agree_in_fp32(qk_scale):
+    """sdpa, math and relax give the same attention output in fp32 (mild and peaky logits)."""
+    q, k, v = _qkv(scale=1.0)
+    q, k = q * qk_scale, k * qk_scale
+    ref = attend(q, k, v, "sdpa")
+    for form in ("math", "relax"):
+        torch.testing.assert_close(attend(q, k, v, form), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_probabilities_are_softmax_of_scaled_logits():
+    """math and relax probabilities equal softmax(q.k / sqrt(d)) in fp32, for any relax alpha."""
+    q, k, _ = _qkv(scale=2.0)
+    ref = torch.softmax(q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1).float()
+    torch.testing.assert_close(attention_probs(q, k, "math"), ref)
+    for alpha in (1.0, 32.0, 1000.0):
+        torch.testing.assert_close(attention_probs(q, k, "relax", alpha), ref)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_self_attention_modules_agree_across_forms(qk_norm):
+    """SelfAttention with the same weights gives the same output with sdpa, math and relax (fp32)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 32)
+    mods = {f: SelfAttention(32, 4, form=f, qk_norm=qk_norm) for f in FORMS}
+    for f in ("math", "relax"):
+        mods[f].load_state_dict(mods["sdpa"].state_dict())
+    ref = mods["sdpa"](x)
+    for f in ("math", "relax"):
+        torch.testing.assert_close(mods[f](x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_large_logits_math_overflows_relax_matches_fp32():
+    """fp16, raw q.k > 65504: math gives inf/NaN, relax is finite and equals the fp32 reference."""
+    # Tolerance: the inputs make relax's logits exact (see _sign_inputs), so the only errors left are
+    # the fp16 rounding of the probabilities (1/3, 1/5: relative 2^-11) and of the output of probs @ v
+    # (relative 2^-11, |v| < 5): rtol 2e-3 and atol 2e-3 are about four times those bounds.
+    q, k, v = _sign_inputs()
+    raw = q @ k.transpose(-2, -1)  # fp16 matmul
+    assert torch.isinf(raw).any()  # the raw product overflows fp16 ...
+    relaxed = (q / 256.0) @ k.transpose(-2, -1)
+    assert torch.isfinite(relaxed).all() and relaxed.abs().max() <= 320  # ... the divided one does not
+    ref = attend(q.float(), k.float(), v.float(), "math")  # fp32 reference on the same values
+    assert torch.isfinite(ref).all()
+
+    out_math = attend(q, k, v, "math")
+    assert out_math.dtype == torch.float16
+    assert not torch.isfinite(out_math).all()
+    out_relax = attend(q, k, v, "relax", alpha=32.0)
+    assert out_relax.dtype == torch.float16 and torch.isfinite(out_relax).all()
+    torch.testing.assert_close(out_relax.float(), ref, rtol=2e-3, atol=2e-3)
+    # The rows are not trivially one-hot: ties over 5, 3 and 2 keys give averaged values.
+    probs = attention_probs(q, k, "relax").float()
+    assert {round(float(p), 3) for p in probs.amax(-1).flatten()} >= {1.0, 0.5, 0.333, 0.2}
+
+
+def test_fp16_random_large_logits_relax_matches_fp32():
+    """fp16 self-attention with keys near queries (|q|^2 ~ 1e5): math NaN, relax = fp32 reference."""
+    # Tolerance: the diagonal logit exceeds every other by > 100 (checked below), far above relax's fp16
+    # logit resolution (alpha * ulp(400) = 32 * 0.25 = 8), so both put all mass on the diagonal and
+    # relax's output is v after one fp16 rounding (2^-11 relative): rtol 1e-3, atol 1e-3 (|v| < 5).
+    g = torch.Generator().manual_seed(1)
+    q = (40 * torch.randn(2, 2, 16, 64, generator=g)).half()
+    k = (q.float() + torch.randn(q.shape, generator=g)).half()
+    v = torch.randn(q.shape, generator=g).half()
+    logits = q.double() @ k.double().transpose(-2, -1) / 8
+    assert logits.max() * 8 > FP16_MAX
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 100
+    ref = attend(q.float(), k.float(), v.float(), "math")
+    assert torch.isnan(attend(q, k, v, "math")).any()
+    out = attend(q, k, v, "relax")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_relax_divides_before_matmul():
+    """relax is finite where dividing *after* the fp16 matmul (same inputs) is already NaN."""
+    q, k, _ = _sign_inputs()
+    assert torch.isnan(_relax_dividing_after_matmul(q, k)).any()  # the inputs tell the orders apart
+    probs = attention_probs(q, k, "relax")
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.float().sum(-1), torch.ones(1, 1, 12), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("form, finite", [("math", False), ("relax", True)])
+def test_fp16_autocast_module(form, finite):
+    """Under fp16 autocast a SelfAttention with huge q.k: math turns NaN, relax matches fp32."""
+    # q_proj = k_proj = 40 * I, v_proj = out_proj = I: q.k = 1600 |x|^2 ~ 1e5 on the diagonal. The fp32
+    # module puts all mass on the diagonal (output = x). Tolerance: relax in fp16 rounds x through three
+    # fp16 casts (input, v_proj, out_proj), each 2^-11 relative: rtol 5e-3, atol 5e-3 (|x| < 4).
+    torch.manual_seed(0)
+    attn = SelfAttention(64, 1, form=form)
+    with torch.no_grad():
+        for proj, gain in ((attn.q_proj, 40.0), (attn.k_proj, 40.0), (attn.v_proj, 1.0), (attn.out_proj, 1.0)):
+            proj.weight.copy_(gain * torch.eye(64))
+            proj.bias.zero_()
+    x = torch.randn(2, 10, 64)
+    ref = attn(x)  # fp32
+    torch.testing.assert_close(ref, x, rtol=1e-5, atol=1e-5)  # one-hot on the diagonal
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = attn(x)
+    assert out.dtype == torch.float16
+    assert bool(torch.isfinite(out).all()) is finite
+    if finite:
+        torch.testing.assert_close(out.float(), ref, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_record_max_logit(form):
+    """With record_max_logit on, max_logit is max |q.k| / sqrt(d) over heads, in fp32; off, untouched."""
+    torch.manual_seed(0)
+    attn = SelfAttention(32, 4, form=form)
+    x = torch.randn(2, 7, 32)
+    attn(x)
+    assert attn.max_logit is None
+    attn.record_max_logit = True
+    attn(x)
+    q = attn.q_proj(x).view(2, 7, 4, 8).transpose(1, 2)
+    k = attn.k_proj(x).view(2, 7, 4, 8).transpose(1, 2)
+    expected = (q @ k.transpose(-2, -1) / math.sqrt(8)).abs().amax()
+    torch.testing.assert_close(attn.max_logit, expected.detach())
+
+
+def test_qk_norm_bounds_logits():
+    """QK-norm (LayerNorm per head, unit gain) caps |logit| at sqrt(d); without it logits grow with x."""
+    torch.manual_seed(0)
+    x = 100 * torch.randn(2, 7, 32)
+    for qk_norm, bounded in ((True, True), (False, False)):
+        attn = SelfAttention(32, 4, form="math", qk_norm=qk_norm)
+        attn.record_max_logit = True
+        attn(x)
+        assert (float(attn.max_logit) <= math.sqrt(8) + 1e-4) is bounded
+
+
+def test_attention_dropout_only_in_training():
+    """Attention dropout drops probabilities in training (math, relax) and is off in eval."""
+    q, k, v = _qkv()
+    for form in ("math", "relax"):
+        torch.manual_seed(0)
+        train = attend(q, k, v, form, dropout=0.5, training=True)
+        assert not torch.allclose(train, attend(q, k, v, form))
+        torch.testing.assert_close(attend(q, k, v, form, dropout=0.5, training=False), attend(q, k, v, "sdpa"),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_form_refused():
+    """An unknown attention form names the valid ones; sdpa has no explicit probabilities."""
+    q, k, v = _qkv()
+    with pytest.raises(ConfigError, match="choose one of: sdpa, math, relax"):
+        attend(q, k, v, "flash")
+    with pytest.raises(ConfigError, match="use math or relax"):
+        attention_probs(q, k, "sdpa")

@@ -1,0 +1,93 @@
+"""Study recipes: each resolves to its run's scheme, attention form, clip, precision and legend; tiny twins run."""
+
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from musiclm_stab.config import load_config
+from musiclm_stab.masking import span_mask
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.plot import run_label
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+# file stem -> (legend, norm_scheme, attention, clip_grad, run)
+STUDY = {
+    "study_prenorm_clip10_run1": ("Pre-Norm | Gradient Clip=10 | Run 1", "pre", "sdpa", 10.0, 1),
+    "study_prenorm_clip1_run2": ("Pre-Norm | Gradient Clip=1 | Run 2", "pre", "sdpa", 1.0, 2),
+    "study_postnorm_deepnorm_clip1": ("Post-Norm | DeepNorm | Gradient Clip=1", "deepnorm", "sdpa", 1.0, 1),
+    "study_prenorm_attnrelax_clip1": ("Pre-Norm | Attn. Relax | Gradient Clip=1", "pre", "relax", 1.0, 1),
+}
+
+
+def _twin_overrides(path: Path) -> list[str]:
+    """The tiny-twin override line documented in the recipe's header comment."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#") and "--model.size=tiny" in ln]
+    assert len(lines) == 1, f"{path.name}: expected one documented tiny-twin command"
+    argv = shlex.split(lines[0].lstrip("# "))  # what the shell would pass
+    assert argv[:5] == ["accelerate", "launch", "recipes/pretrain.py", "--config", f"recipes/{path.name}"]
+    assert all(a.startswith("--") and "=" in a for a in argv[5:])
+    return argv[5:]
+
+
+def test_study_recipe_set_is_complete():
+    """recipes/ holds exactly the four study runs, one YAML each, with four distinct legends."""
+    assert {p.stem for p in RECIPES.glob("study_*.yaml")} == set(STUDY)
+    assert len({v[0] for v in STUDY.values()}) == 4
+
+
+@pytest.mark.parametrize("stem", STUDY)
+def test_study_recipe_resolves_to_intended_run(stem):
+    """Large size, fp16, the intended scheme / attention form / clip / run, reference hyperparameters."""
+    label, scheme, attention, clip, run = STUDY[stem]
+    cfg = load_config(RECIPES / f"{stem}.yaml")
+    m = cfg.model.resolved()
+    assert (m.size, m.num_layers, m.width, m.ffn_dim, m.num_heads) == ("large", 24, 1024, 4096, 16)
+    assert (m.norm_scheme, m.attention, m.norm_type, m.qk_norm) == (scheme, attention, "layernorm", False)
+    assert m.relax_alpha == 32.0
+    assert (m.cqt_bins, m.cqt_bins_per_octave, m.cqt_fmin) == (336, 48, 32.7)
+    assert (cfg.optim.clip_mode, cfg.optim.clip_grad) == ("fixed", clip)
+    assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.eps, cfg.optim.weight_decay) == (1.5e-3, (0.9, 0.98), 1e-6, 0.01)
+    assert cfg.optim.warmup_steps < cfg.train.max_steps
+    assert (cfg.train.mixed_precision, cfg.train.run, cfg.train.name) == ("fp16", run, stem)
+    assert cfg.train.label is None  # the legend is derived, not typed in
+
+
+@pytest.mark.parametrize("stem", STUDY)
+def test_study_recipe_legend(stem):
+    """plot.run_label of the resolved config is exactly the study's legend text (and the header quotes it)."""
+    cfg = load_config(RECIPES / f"{stem}.yaml")
+    assert run_label(cfg.to_dict()) == STUDY[stem][0]
+    assert f'"{STUDY[stem][0]}"' in (RECIPES / f"{stem}.yaml").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("stem", STUDY)
+def test_tiny_twin_validates_and_runs(stem):
+    """The documented tiny-twin overrides validate, keep the run's identity, and run fwd/bwd on CPU in bf16."""
+    label, scheme, attention, clip, run = STUDY[stem]
+    overrides = _twin_overrides(RECIPES / f"{stem}.yaml")
+    cfg = load_config(RECIPES / f"{stem}.yaml", overrides)
+    m = cfg.model.resolved()
+    assert (m.size, m.num_layers, m.width) == ("tiny", 2, 128)
+    assert (m.norm_scheme, m.attention, cfg.optim.clip_grad, cfg.train.run) == (scheme, attention, clip, run)
+    assert cfg.train.mixed_precision == "bf16" and cfg.train.name == f"{stem}_tiny"
+    assert run_label(cfg.to_dict()) == label
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors on shared cores: threads only add overhead
+    try:
+        torch.manual_seed(0)
+        model = MusicMLM(cfg.model)
+        g = torch.Generator().manual_seed(0)
+        T = 40
+        wav = 0.1 * torch.randn(1, 320 * T, generator=g)
+        codes = torch.randint(0, m.codebook_size, (1, m.num_codebooks, T), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(wav, wav, codes, span_mask(1, T, m.mask_prob, m.mask_length, g))
+        out.loss.backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -1,0 +1,125 @@
+"""Stability tools: skipped non-finite steps, spike rollback, adaptive clipping, diagnostics."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+
+from musiclm_stab.config import OptimConfig, TrainConfig, load_config
+from musiclm_stab.stability import GradClipper, SpikeGuard
+from musiclm_stab.train import Trainer
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def tiny_cfg(data, tmp_path, *overrides):
+    return load_config("recipes/tiny.yaml", [
+        f"--data.path={data}", f"--train.output_dir={tmp_path}", "--train.name=run", "--data.crop_seconds=2.0",
+        "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1", "--train.checkpoint_every=2",
+        "--train.keep_checkpoints=10", *overrides])
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nonfinite_gradient_leaves_state_untouched(tokenized_dataset, tmp_path):
+    """A NaN gradient skips the update: parameters and optimizer state are bit-identical, the step counted."""
+    trainer = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5"))
+    trainer.train_step()
+    trainer.update()  # one good step, so the optimizer has state
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict())
+    trainer.train_step()
+    for p in trainer.model.parameters():
+        p.grad.fill_(float("nan"))
+    result = trainer.update()
+    assert result["skipped"] and not math.isfinite(result["grad_norm"])
+    assert all(torch.equal(p, params[n]) for n, p in trainer.model.named_parameters())
+    after = trainer.optimizer.state_dict()
+    assert after["state"].keys() == opt_state["state"].keys()
+    for k, st in opt_state["state"].items():
+        assert all(torch.equal(st[x], after["state"][k][x]) for x in st)
+    assert trainer.clipper.count == 1  # the skipped norm fed no statistic
+
+
+def test_injected_nan_is_logged_and_training_goes_on(tokenized_dataset, tmp_path):
+    """Through the real loop: the NaN step is logged as skipped_step=1 and the next steps train normally."""
+    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=4", "--train.inject_nan_at=2")).run()
+    r = rows(run_dir)
+    assert [x["skipped_step"] for x in r] == [0, 1, 0, 0]
+    assert math.isnan(r[1]["grad_norm"]) and all(math.isfinite(x["grad_norm"]) for x in r[2:])
+
+
+def test_spike_triggers_rollback_and_skip(tokenized_dataset, tmp_path):
+    """An injected loss spike rolls back to the last checkpoint, skips its batches, and training finishes."""
+    cfg = tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=8", "--train.inject_spike_at=6",
+                   "--train.spike_guard=true", "--train.spike_warmup=3", "--train.spike_z=3")
+    trainer = Trainer(cfg)
+    run_dir = trainer.run()
+    r = rows(run_dir)
+    events = [x for x in r if x.get("event") == "rollback"]
+    assert len(events) == 1 and events[0]["step"] == 6 and events[0]["to_step"] == 4
+    assert events[0]["skipped_micro_batches"] == 2
+    steps = [x["step"] for x in r if "event" not in x]
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # the abandoned 5-6 (with the spike), then 5-8 again
+    assert trainer.step == 8 and trainer.consumed == 10  # 8 updates + the 2 skipped micro-batches
+    spiky = [x for x in r if x.get("step") == 6 and "event" not in x]
+    assert spiky[0]["loss"] > 100 * spiky[1]["loss"]
+
+
+def test_guard_off_by_default(tokenized_dataset, tmp_path):
+    """Without spike_guard, an injected spike is trained through (no rollback event)."""
+    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=3", "--train.inject_spike_at=2")).run()
+    assert not [x for x in rows(run_dir) if "event" in x]
+
+
+def test_diagnostics_logged_per_layer(tokenized_dataset, tmp_path):
+    """With diagnostics_every=2, even steps log per-layer max attention logit and gradient norm."""
+    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=2",
+                               "--train.diagnostics_every=2")).run()
+    r = rows(run_dir)
+    assert "diag/max_attn_logit/layer0" not in r[0]
+    for i in range(2):
+        assert r[1][f"diag/max_attn_logit/layer{i}"] > 0 and r[1][f"diag/grad_norm/layer{i}"] > 0
+
+
+def test_zclip_threshold_follows_norm_statistics():
+    """ZClip: after warmup the threshold is EMA mean + z * EMA std of past norms; non-finite norms ignored."""
+    c = GradClipper(OptimConfig(clip_mode="zclip", clip_grad=5.0, clip_warmup=3, zclip_z=2.0, zclip_alpha=0.5))
+    assert c.threshold() == 5.0
+    for n in (1.0, 3.0, float("nan"), 1.0):
+        c.observe(n)
+    # EMA with a=0.5: mean 1 -> 2 -> 1.5; var 0 -> 0.5*(0+0.5*4)=1 -> 0.5*(1+0.5*1)=0.75
+    assert c.count == 3
+    assert c.threshold() == pytest.approx(1.5 + 2.0 * math.sqrt(0.75))
+
+
+def test_autoclip_threshold_is_percentile():
+    """AutoClip: the threshold is the configured percentile of the norms seen."""
+    c = GradClipper(OptimConfig(clip_mode="autoclip", clip_warmup=1, autoclip_percentile=50))
+    for n in range(1, 101):
+        c.observe(float(n))
+    assert c.threshold() == 51.0
+    assert GradClipper(OptimConfig(clip_grad=1.0)).threshold() == 1.0
+
+
+def test_spike_guard_detection():
+    """The guard flags a loss far above its recent window, not ordinary noise, and only after warmup."""
+    g = SpikeGuard(TrainConfig(spike_window=10, spike_warmup=5, spike_z=4.0, spike_min_rel=0.1))
+    for x in (2.0, 2.1, 1.9, 2.05, 1.95):
+        assert not g.is_spike(50.0) if len(g.window) < 5 else True
+        g.observe(x)
+    assert not g.is_spike(2.15) and g.is_spike(5.0) and not g.is_spike(float("nan"))
