@@ -109,13 +109,14 @@ class Collator:
 
     def __call__(self, items: list[dict]) -> dict:
         indices = [it["index"] for it in items]
-        rng = _rng(self.seed, self.epoch, 0xBA7C, *indices)
         clean = torch.stack([it["pcm"] for it in items])  # (B, S)
         codes = torch.stack([it["codes"] for it in items])  # (B, K, T)
-        wav = noise_mixup(clean, self.data, rng) if self.mixup else clean
-        gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
-        mask = span_mask(clean.shape[0], codes.shape[-1], self.model.mask_prob, self.model.mask_length, gen)
-        return {"wav": wav, "clean_wav": clean, "codes": codes, "mask": mask}
+        wav = noise_mixup(clean, self.data, _rng(self.seed, self.epoch, 0xBA7C, *indices)) if self.mixup else clean
+        # Masks per example, seeded by its index: the same whatever the batch split across processes.
+        masks = [span_mask(1, codes.shape[-1], self.model.mask_prob, self.model.mask_length,
+                           torch.Generator().manual_seed(int(_rng(self.seed, self.epoch, 0x3A5C, i).integers(2**62))))
+                 for i in indices]
+        return {"wav": wav, "clean_wav": clean, "codes": codes, "mask": torch.cat(masks)}
 
 
 def noise_mixup(clean: torch.Tensor, cfg: DataConfig, rng: np.random.Generator) -> torch.Tensor:

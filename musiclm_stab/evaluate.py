@@ -20,20 +20,20 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from musiclm_stab.checkpoint import STATE_FILE, newest_valid
 from musiclm_stab.config import Config, ConfigError, config_from_run
 from musiclm_stab.data import Collator, CropDataset, split_indices
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.train import STATE_FILE, list_checkpoints
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     """(run_dir, checkpoint_dir) from a run directory (newest complete checkpoint) or a checkpoint dir."""
     path = Path(path)
     if (path / "config.yaml").is_file():
-        ckpts = list_checkpoints(path)
-        if not ckpts:
+        ckpt = newest_valid(path)
+        if ckpt is None:
             raise ConfigError(f"{path} has no complete checkpoint in {path / 'checkpoints'}")
-        return path, ckpts[-1]
+        return path, ckpt
     if (path / STATE_FILE).is_file() and (path.parent.parent / "config.yaml").is_file():
         return path.parent.parent, path
     raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a complete checkpoint "

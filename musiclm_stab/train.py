@@ -15,9 +15,9 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,13 +28,11 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from musiclm_stab import checkpoint
 from musiclm_stab.config import Config, ConfigError, load_config, save_config
 from musiclm_stab.data import Collator, CropDataset, EpochSampler, split_indices
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.stability import GradClipper, SpikeGuard, layer_diagnostics, record_attention_logits
-
-CHECKPOINT_PREFIX = "step_"
-STATE_FILE = "trainer_state.json"
 
 
 def lr_lambda(warmup_steps: int, max_steps: int):
@@ -53,15 +51,6 @@ def metric_names(num_codebooks: int) -> list[str]:
     return (["loss", "acoustic_mlm_loss", "musical_mlm_loss", "features_pen", "mask_fraction"]
             + [f"acoustic_mlm_loss/cb{k}" for k in range(num_codebooks)]
             + [f"acoustic_acc/cb{k}" for k in range(num_codebooks)])
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (a complete one has its trainer_state.json)."""
-    ckpt_dir = run_dir / "checkpoints"
-    if not ckpt_dir.is_dir():
-        return []
-    found = [p for p in ckpt_dir.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
 def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
@@ -145,26 +134,6 @@ def write_run_dir(cfg: Config, tokenizer_info: dict) -> Path:
     return run_dir
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, consumed: int, keep: int) -> Path:
-    """Write the accelerate state aside, then move it into place: complete or absent."""
-    final = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = run_dir / "checkpoints" / f".tmp-{CHECKPOINT_PREFIX}{step:08d}"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "consumed_micro_batches": consumed}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
 class Trainer:
     """The training loop's state and its two halves: ``train_step`` (micro-batches) and ``update``."""
 
@@ -186,6 +155,7 @@ class Trainer:
         tokenizer_info: dict = {}
         loader, self.epoch_objects = build_data(cfg, accelerator, tokenizer_info)
         check_run_dir(cfg, resume, tokenizer_info)
+        self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
         if accelerator.is_main_process:
             write_run_dir(cfg, tokenizer_info)
         accelerator.wait_for_everyone()
@@ -203,10 +173,10 @@ class Trainer:
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         self.injected: set[str] = set()  # fault injection fires once, even if a rollback replays the step
         if resume:
-            ckpts = list_checkpoints(self.run_dir)
-            if ckpts:
-                self.step = self.load_checkpoint(ckpts[-1])
-                accelerator.print(f"resumed from {ckpts[-1]} at step {self.step}")
+            ckpt = checkpoint.newest_valid(self.run_dir)
+            if ckpt is not None:
+                self.step = self.load_checkpoint(ckpt)
+                accelerator.print(f"resumed from {ckpt} at step {self.step}")
             else:
                 accelerator.print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; "
                                   "starting at step 0")
@@ -217,7 +187,7 @@ class Trainer:
 
     def load_checkpoint(self, ckpt: Path) -> int:
         self.accelerator.load_state(str(ckpt))
-        state = json.loads((ckpt / STATE_FILE).read_text())
+        state = checkpoint.read_state(ckpt)
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
 
@@ -295,7 +265,8 @@ class Trainer:
             self.guard.observe(step_loss)
             return False
         spike_step = self.step
-        earlier = [c for c in list_checkpoints(self.run_dir) if int(c.name[len(CHECKPOINT_PREFIX):]) < spike_step]
+        earlier = [c for c in checkpoint.list_checkpoints(self.run_dir)
+                   if checkpoint.checkpoint_step(c) < spike_step and checkpoint.verify(c) is None]
         if not earlier or self.rollbacks >= tcfg.max_rollbacks:
             why = "no earlier checkpoint" if not earlier else f"train.max_rollbacks={tcfg.max_rollbacks} reached"
             writer.write({"step": spike_step, "event": "spike", "loss": step_loss, "reason": f"not rolled back: {why}"})
@@ -327,7 +298,13 @@ class Trainer:
         sums = torch.zeros(len(self.names), device=acc.device)
         interval, diag = new_interval(), {}
         self.model.train()
+        stop = StopSignal()
         while self.step < last_step:
+            if stop.requested(acc):
+                ckpt = self.save_checkpoint()
+                acc.print(f"stopped by {stop.name} at step {self.step}; checkpoint {ckpt}. Resume with the same "
+                          "command and --resume.")
+                break
             step_sums, step_diag = self.train_step()
             result = self.update()
             diag.update(step_diag)
@@ -354,12 +331,18 @@ class Trainer:
                 interval, diag = new_interval(), {}
                 continue  # never checkpoint the spiked state
             if self.step % tcfg.checkpoint_every == 0 or self.step == last_step:
-                save_checkpoint(acc, self.run_dir, self.step, self.consumed, tcfg.keep_checkpoints)
+                self.save_checkpoint()
         bar.close()
+        stop.restore()
         acc.end_training()
         if acc.is_main_process:
             print(f"done: {self.run_dir} (step {self.step}); checkpoints in {self.run_dir / 'checkpoints'}")
         return self.run_dir
+
+    def save_checkpoint(self) -> Path:
+        state = {"consumed_micro_batches": self.consumed, "config": self.cfg.to_dict(),
+                 "tokenizer_sha256": self.tokenizer_sha256}
+        return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
 
     def metrics_row(self, sums: torch.Tensor, interval: dict, diag: dict) -> dict:
         """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
@@ -380,6 +363,34 @@ class Trainer:
         if diag:
             row.update({k: float(v) for k, v in diag.items()})
         return row
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (what schedulers send before preemption) ask the loop to checkpoint and stop
+    after the current step. Under several processes the request is agreed on by all ranks."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self, accelerator: Accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self.name is not None
+        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0:
+            self.name = self.name or "a signal on another process"
+            return True
+        return False
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
