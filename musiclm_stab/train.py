@@ -149,6 +149,9 @@ class Trainer:
             log_with="tensorboard",
             # The CQT kernels are constant buffers: no need to broadcast them every step under DDP.
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+            # Our schedule counts optimizer updates: one scheduler step per update at any process count
+            # (by default accelerate steps it once per process).
+            step_scheduler_with_optimizer=False,
             project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
         )
         set_seed(tcfg.seed + 1000 * tcfg.run)
@@ -182,12 +185,17 @@ class Trainer:
                                   "starting at step 0")
         self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
         self.names = metric_names(cfg.model.num_codebooks)
+        self.pen_weight = cfg.model.features_pen_weight
         self.global_batch_s = (cfg.data.batch_size * tcfg.grad_accum * accelerator.num_processes
                                * cfg.data.crop_seconds)
 
     def load_checkpoint(self, ckpt: Path) -> int:
-        self.accelerator.load_state(str(ckpt))
         state = checkpoint.read_state(ckpt)
+        saved = state.get("num_processes", 1)
+        if saved != self.accelerator.num_processes:
+            raise ConfigError(f"{ckpt} was written by {saved} process(es); resume it with {saved} (its data "
+                              f"position and RNG states are per process), not {self.accelerator.num_processes}")
+        self.accelerator.load_state(str(ckpt))
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
 
@@ -207,10 +215,12 @@ class Trainer:
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 with acc.autocast():
                     out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
-                loss = out.loss * 1000.0 if spike else out.loss
+                w = self.masked_weight(batch["mask"])
+                loss = w * (out.loss - self.pen_weight * out.features_pen) + self.pen_weight * out.features_pen
+                loss = loss * 1000.0 if spike else loss
                 acc.backward(loss / tcfg.grad_accum)
             vec = _metric_vector(out).detach()
-            vec[0] = loss.detach().float()
+            vec[0], vec[1:3], vec[5:] = loss.detach().float(), vec[1:3] * w, vec[5:] * w
             sums += vec / tcfg.grad_accum
         diag = {}
         if diagnose:
@@ -222,6 +232,18 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         return sums, diag
+
+    def masked_weight(self, mask: torch.Tensor) -> torch.Tensor:
+        """n_local / mean over processes of n, with n the masked frames of this micro-batch.
+
+        The masked losses are means over local masked frames; weighted by this, the gradient DDP averages
+        (and the metrics averaged over processes) are those of the mean over the *global* batch's masked
+        frames, as one process with the whole batch would compute. 1 on a single process.
+        """
+        if self.accelerator.num_processes == 1:
+            return torch.ones((), device=mask.device)
+        n = mask.sum().float()
+        return n / self.accelerator.reduce(n.clone(), reduction="mean").clamp_min(1.0)
 
     def _inject(self, fault: str, due: bool) -> bool:
         if due and fault not in self.injected:
@@ -291,7 +313,8 @@ class Trainer:
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
                   f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, precision={tcfg.mixed_precision}, "
-                  f"global batch {self.global_batch_s:.0f} audio-s, {len(self.loader)} micro-batches per epoch")
+                  f"{acc.num_processes} process(es), global batch {self.global_batch_s:.0f} audio-s, "
+                  f"{len(self.loader)} micro-batches per epoch per process")
         last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
         bar = tqdm(total=last_step, initial=self.step, desc="train", disable=not acc.is_main_process,
                    dynamic_ncols=True)
@@ -340,7 +363,8 @@ class Trainer:
         return self.run_dir
 
     def save_checkpoint(self) -> Path:
-        state = {"consumed_micro_batches": self.consumed, "config": self.cfg.to_dict(),
+        state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
+                 "config": self.cfg.to_dict(),
                  "tokenizer_sha256": self.tokenizer_sha256}
         return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
 
