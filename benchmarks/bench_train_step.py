@@ -1,0 +1,120 @@
+"""Training step of our model vs transformers.HubertModel at an identical configuration, side by side.
+
+Both get the same conv frontend sizes, width, depth, heads, norm placement, sequence length and dtype,
+and the *same* heads and loss on top (our AcousticHeads + MusicalHead + CQT target), so the difference
+is the backbone. One step = forward + backward + AdamW step. Runs alternate (ours, peer, ours, ...) so
+load from other jobs hits both alike. Also reports our step's FLOP/s against the machine's dense matmul
+rate measured in the same run.
+
+    python benchmarks/bench_train_step.py --size base --dtypes fp32 bf16 --schemes pre post --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from musiclm_stab.config import ModelConfig
+from musiclm_stab.losses import acoustic_losses, musical_loss
+from musiclm_stab.masking import span_mask
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.model.frontend import PAD
+
+
+class PeerMLM(torch.nn.Module):
+    """transformers.HubertModel as the backbone, with our heads and loss on top."""
+
+    def __init__(self, cfg: ModelConfig, heads_from: MusicMLM):
+        super().__init__()
+        from transformers import HubertConfig, HubertModel
+
+        hc = HubertConfig(
+            hidden_size=cfg.width, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.ffn_dim, conv_dim=(cfg.conv_dim,) * 7, conv_stride=(5, 2, 2, 2, 2, 2, 2),
+            conv_kernel=(10, 3, 3, 3, 3, 2, 2), conv_bias=False, feat_extract_norm="group",
+            do_stable_layer_norm=cfg.norm_scheme == "pre", num_conv_pos_embeddings=cfg.pos_conv_kernel,
+            num_conv_pos_embedding_groups=cfg.pos_conv_groups, hidden_dropout=cfg.dropout,
+            attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
+            feat_proj_dropout=cfg.feature_dropout, layerdrop=0.0, mask_time_prob=0.05,  # > 0 so it has masked_spec_embed; our masks are passed in
+            attn_implementation="sdpa")
+        self.backbone = HubertModel(hc)
+        self.acoustic, self.musical, self.cqt = heads_from.acoustic, heads_from.musical, heads_from.cqt
+        self.cfg = cfg
+
+    def forward(self, wav, clean_wav, codes, mask):
+        x = self.backbone(torch.nn.functional.pad(wav, (PAD, PAD)), mask_time_indices=mask).last_hidden_state
+        with torch.no_grad():
+            cqt = self.cqt(clean_wav)
+        h = x[mask]
+        ce_sum, _, _ = acoustic_losses(self.acoustic(h), codes.transpose(1, 2)[mask].long())
+        return ce_sum + self.cfg.musical_weight * musical_loss(self.musical(h), cqt[mask])
+
+
+def step_fn(model, opt, batch, dtype):
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            out = model(*batch)
+        loss = out.loss if hasattr(out, "loss") else out
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
+def matmul_rate(dtype: str, n: int = 2048, repeats: int = 5) -> float:
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="base", choices=["tiny", "base", "large"])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--schemes", nargs="+", default=["pre", "post"], choices=["pre", "post"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    T = int(args.seconds * 75)
+    wav = torch.randn(args.batch, 320 * T) * 0.1
+    batch = (wav, wav, torch.randint(0, 1024, (args.batch, 8, T)), span_mask(args.batch, T, 0.8, 5))
+    audio_s = args.batch * args.seconds
+    print(f"size={args.size} batch={args.batch} x {args.seconds} s, threads={torch.get_num_threads()}")
+    print("| scheme | dtype | ours s/step | peer s/step | ours audio-s/s | peer audio-s/s | ours/peer | "
+          "ours GFLOP/step | ours GFLOP/s | matmul GFLOP/s | ours / matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for scheme in args.schemes:
+        cfg = ModelConfig(size=args.size, norm_scheme=scheme).resolved()
+        ours = MusicMLM(cfg).train()
+        peer = PeerMLM(cfg, MusicMLM(cfg)).train()
+        for dtype in args.dtypes:
+            fns = {name: step_fn(m, torch.optim.AdamW(m.parameters(), lr=1e-4), batch, dtype)
+                   for name, m in (("ours", ours), ("peer", peer))}
+            for fn in fns.values():
+                fn()  # warm-up
+            times = {"ours": [], "peer": []}
+            for _ in range(args.repeats):
+                for name, fn in fns.items():
+                    t = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t)
+            with FlopCounterMode(display=False) as fc:
+                fns["ours"]()
+            flops = fc.get_total_flops()
+            rate = matmul_rate(dtype)
+            o, q = min(times["ours"]), min(times["peer"])
+            print(f"| {scheme} | {dtype} | {o:.2f} | {q:.2f} | {audio_s / o:.2f} | {audio_s / q:.2f} | {q / o:.2f}x | "
+                  f"{flops / 1e9:.0f} | {flops / o / 1e9:.0f} | {rate / 1e9:.0f} | {flops / o / rate:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
