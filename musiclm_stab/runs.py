@@ -1,0 +1,223 @@
+"""Reading run directories: legend text from the resolved config, metrics rows from metrics.jsonl.
+
+Problems with the files are warnings (``PlotWarning``), not crashes: figures must still be drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+BASE_NORM = {
+    "pre": "Pre-Norm",
+    "post": "Post-Norm",
+    "deepnorm": "Post-Norm",
+    "sandwich": "Sandwich-Norm",
+    "subln": "Sub-LN",
+}
+ADAPTIVE_CLIP = {"zclip": "ZClip", "autoclip": "AutoClip"}
+
+
+class PlotWarning(UserWarning):
+    """A run directory has a problem the figures can live with (missing/malformed rows, no metric)."""
+
+
+def plot_warning(message: str, sink: list[str] | None = None) -> None:
+    if sink is not None:
+        sink.append(message)
+    warnings.warn(message, PlotWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Legend text
+
+
+def _format_clip(clip: Any) -> str:
+    """10.0 -> "10", 0.5 -> "0.5", 1e-05 -> "1e-05" (shortest exact float text, no trailing ".0")."""
+    text = repr(float(clip))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def run_label(cfg: dict) -> str:
+    """Legend text in the study's form, e.g. ``Post-Norm | DeepNorm | Gradient Clip=1``.
+
+    ``train.label`` wins when set. Otherwise: base norm, then modifiers (DeepNorm, Attn. Relax,
+    QK-Norm, RMSNorm, ZClip/AutoClip, in that order), then the clip value, then ``Run N`` only when
+    there are no modifiers (the study tells its two plain Pre-Norm runs apart by number).
+    """
+    model, optim, train = (cfg.get(k) or {} for k in ("model", "optim", "train"))
+    label = train.get("label")
+    if label is not None and str(label).strip():
+        return str(label)
+    scheme = model.get("norm_scheme", "pre")
+    # An unknown scheme (a newer config) is shown as written rather than refused: plots must not crash.
+    parts = [BASE_NORM.get(scheme, str(scheme))]
+    modifiers = []
+    if scheme == "deepnorm":
+        modifiers.append("DeepNorm")
+    if model.get("attention") == "relax":
+        modifiers.append("Attn. Relax")
+    if model.get("qk_norm"):
+        modifiers.append("QK-Norm")
+    if model.get("norm_type") == "rmsnorm":
+        modifiers.append("RMSNorm")
+    if optim.get("clip_mode") in ADAPTIVE_CLIP:
+        modifiers.append(ADAPTIVE_CLIP[optim["clip_mode"]])
+    parts += modifiers
+    parts.append(f"Gradient Clip={_format_clip(optim.get('clip_grad', 10.0))}")
+    if not modifiers:
+        parts.append(f"Run {train.get('run', 1)}")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a run directory
+
+
+@dataclass
+class Rollback:
+    step: int  # step at which the loss-spike guard fired
+    to_step: int | None  # step it rolled back to
+    reason: str = ""
+
+
+@dataclass
+class RunMetrics:
+    """One run directory, read back. Every series is sorted by step, one finite value per step."""
+
+    name: str  # run directory name
+    path: Path
+    label: str  # legend text (run_label of the config)
+    config: dict
+    series: dict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )  # metric -> (steps, values)
+    skipped_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    rollbacks: list[Rollback] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int | None:
+        """Last logged step (any metric), None for a run with no metric rows."""
+        ends = [int(s[-1]) for s, _ in self.series.values() if len(s)]
+        return max(ends) if ends else None
+
+    def metric(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(steps, values) of one metric, None when the run never logged a finite value of it."""
+        return self.series.get(name)
+
+
+def _as_step(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if value >= 0 else None
+
+
+def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback]]:
+    """Metric rows (the final history only, ascending steps) and rollback events of a metrics.jsonl."""
+    rows: dict[int, dict] = {}  # step -> row; insertion order is ascending step
+    rollbacks: list[Rollback] = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)  # Python's json reads NaN / Infinity as the trainer writes them
+            except json.JSONDecodeError as e:
+                plot_warning(f"{path}:{lineno}: malformed line skipped ({e.msg})", notes)
+                continue
+            step = _as_step(row.get("step")) if isinstance(row, dict) else None
+            if step is None:
+                plot_warning(
+                    f"{path}:{lineno}: line skipped: not an object with a non-negative integer 'step'", notes
+                )
+                continue
+            if "event" in row:
+                if row["event"] == "rollback":
+                    rb = Rollback(step, _as_step(row.get("to_step")), str(row.get("reason", "")))
+                    if all((r.step, r.to_step) != (rb.step, rb.to_step) for r in rollbacks):
+                        rollbacks.append(rb)
+                continue
+            # A step at or before the last one means logging restarted there (a resume from a
+            # checkpoint, or a rollback): the later rows win, and rows of the abandoned branch from
+            # that step on are dropped, so the curve shows the history the final model followed.
+            while rows and next(reversed(rows)) >= step:
+                rows.popitem()
+            rows[step] = row
+    return list(rows.values()), rollbacks
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bools included: flags such as grad_clipped may be true/false
+
+
+def read_run(run_dir: str | Path) -> RunMetrics:
+    """Read ``config.yaml`` and ``metrics.jsonl`` of one run directory.
+
+    Raises FileNotFoundError naming the path when the directory or its config is missing. Problems in
+    the metrics file (missing, empty, malformed lines) are PlotWarnings, also kept in ``.warnings``.
+    Non-finite values are left out of the series; steps with a non-finite loss or grad norm, and
+    steps logged with ``skipped_step`` > 0 (a 0/1 flag, or a count when a row covers several
+    steps), are in ``skipped_steps``. fp16 grad-scaler overflows (``overflow_step``) are not marked:
+    they are the scaler's routine calibration, not instability.
+    """
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run directory {path} does not exist")
+    cfg_path = path / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} is not a run directory: {cfg_path} is missing")
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{cfg_path} is not valid YAML: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a mapping of sections (data/model/optim/train)")
+    run = RunMetrics(name=path.resolve().name, path=path, label=run_label(cfg), config=cfg)
+
+    metrics_path = path / "metrics.jsonl"
+    if not metrics_path.is_file():
+        plot_warning(f"{metrics_path} is missing: run {run.name!r} has no lines in any figure", run.warnings)
+        return run
+    rows, run.rollbacks = _read_rows(metrics_path, run.warnings)
+    if not rows:
+        plot_warning(f"{metrics_path} has no metric rows: run {run.name!r} has no lines in any figure", run.warnings)
+        return run
+
+    points: dict[str, tuple[list[int], list[float]]] = {}
+    skipped: list[int] = []
+    for row in rows:
+        step = int(row["step"])
+        nonfinite = False
+        for key, value in row.items():
+            if key == "step" or not _is_number(value):
+                continue
+            value = float(value)
+            if not math.isfinite(value):
+                nonfinite = nonfinite or key in ("loss", "grad_norm")
+                continue
+            steps, values = points.setdefault(key, ([], []))
+            steps.append(step)
+            values.append(value)
+        flag = row.get("skipped_step")
+        if nonfinite or (_is_number(flag) and flag > 0):
+            skipped.append(step)
+    run.series = {
+        k: (np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64)) for k, (s, v) in points.items()
+    }
+    run.skipped_steps = np.asarray(skipped, dtype=np.int64)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# Drawing
