@@ -1,0 +1,218 @@
+"""Export to transformers.HubertModel: every hidden state against ours, refusals, padding, heads, CLI."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch.testing import assert_close
+
+from musiclm_stab.config import Config, save_config
+from musiclm_stab.export import (
+    ATOL,
+    RTOL,
+    ExportError,
+    cli_main,
+    export,
+    load_checkpoint,
+    load_heads,
+    mlm_losses,
+    pad_for_export,
+)
+from musiclm_stab.masking import span_mask
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.model.norm_schemes import deepnorm_alpha
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32)
+
+
+def make_run(root: Path, seed: int = 0, **model) -> Path:
+    """A tiny run directory with one checkpoint; every weight perturbed so that no LayerNorm is the identity
+    (a swapped norm or a missing bias would then go unnoticed)."""
+    cfg = Config()
+    for k, v in {**TINY, **model}.items():
+        setattr(cfg.model, k, v)
+    cfg.validate()
+    torch.manual_seed(seed)
+    net = MusicMLM(cfg.model)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn_like(p) * (p.std() if p.numel() > 1 and p.std() > 0 else 1.0))
+    ckpt = root / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    save_config(cfg, root / "config.yaml")
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "consumed_micro_batches": 1}))
+    return root
+
+
+_EXPORTS: dict[tuple, tuple[Path, Path]] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run several times faster on one thread than on two contended ones (2-core CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def exported(tmp_path_factory):
+    """exported(scheme, attention, num_layers) -> (run_dir, export_dir), made once per session."""
+
+    def get(scheme: str, attention: str = "sdpa", num_layers: int = 2) -> tuple[Path, Path]:
+        key = (scheme, attention, num_layers)
+        if key not in _EXPORTS:
+            root = tmp_path_factory.mktemp(f"{scheme}_{attention}")
+            run = make_run(root / "run", norm_scheme=scheme, attention=attention, num_layers=num_layers)
+            export(run, root / "hf")
+            _EXPORTS[key] = (run, root / "hf")
+        return _EXPORTS[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "scheme, attention, num_layers",
+    [
+        ("pre", "sdpa", 2),
+        ("post", "sdpa", 2),
+        ("deepnorm", "sdpa", 4),
+        ("pre", "relax", 2),
+        ("post", "math", 2),
+    ],
+)
+def test_every_hidden_state_matches_ours(exported, make_music, scheme, attention, num_layers):
+    """Plain HubertModel.from_pretrained on the export gives our N+1 hidden states and output (atol=rtol=1e-4)."""
+    run, out = exported(scheme, attention, num_layers)
+    model, _, _ = load_checkpoint(run)
+    hf = transformers.HubertModel.from_pretrained(out).eval()
+    assert hf.config.do_stable_layer_norm is (scheme == "pre")
+    wav = torch.from_numpy(np.stack([make_music(3.0, seed=1), make_music(3.0, seed=2)]))  # (2, 72000)
+    with torch.no_grad():
+        (ours_out, ours_hidden), _ = model.encode(wav, return_hidden=True)
+        theirs = hf(pad_for_export(wav), output_hidden_states=True)
+    assert len(theirs.hidden_states) == num_layers + 1 == len(ours_hidden)
+    for ours, hf_state in zip(ours_hidden, theirs.hidden_states):
+        assert_close(hf_state, ours, atol=ATOL, rtol=RTOL)
+    assert_close(theirs.last_hidden_state, ours_out, atol=ATOL, rtol=RTOL)
+    report = json.loads((out / "musiclm_stab.json").read_text())["verification"]
+    assert report["passed"] and report["audio"].startswith("bach/")  # verified on a rendered chorale
+
+
+def test_deepnorm_fold_differs_only_by_layernorm_eps(exported, make_music):
+    """Folding alpha leaves eps where eps/alpha^2 would be exact: that accounts for nearly all of the difference."""
+    run, out = exported("deepnorm", "sdpa", 4)
+    model, _, _ = load_checkpoint(run)
+    hf = transformers.HubertModel.from_pretrained(out).eval()
+    wav = torch.from_numpy(make_music(3.0, seed=3))[None]
+    with torch.no_grad():
+        (_, ours), _ = model.encode(wav, return_hidden=True)
+
+        def max_err():
+            theirs = hf(pad_for_export(wav), output_hidden_states=True).hidden_states
+            return max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+
+        folded = max_err()
+        for layer in hf.encoder.layers:  # the exact equivalent: LN(alpha z, eps) = LN(z, eps / alpha^2)
+            layer.layer_norm.eps = layer.final_layer_norm.eps = 1e-5 / deepnorm_alpha(4) ** 2
+        exact = max_err()
+    assert 1e-6 < folded < ATOL and exact < folded / 3
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        ({"norm_scheme": "sandwich"}, "model.norm_scheme=sandwich"),
+        ({"norm_scheme": "subln"}, "model.norm_scheme=subln"),
+        ({"norm_type": "rmsnorm"}, "model.norm_type=rmsnorm"),
+        ({"qk_norm": True}, "model.qk_norm=true"),
+    ],
+)
+def test_inexpressible_settings_are_refused(tmp_path, setting, match):
+    """Settings HubertModel cannot express are refused by name, and nothing is written."""
+    run = make_run(tmp_path / "run", **setting)
+    with pytest.raises(ExportError, match=match):
+        export(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
+
+
+def test_failed_verification_is_loud(tmp_path, monkeypatch):
+    """A mapping error fails the export naming the layer, even one last_hidden_state hides; no OUT_DIR."""
+    import musiclm_stab.export as ex
+
+    mapped = ex.hubert_state_dict
+
+    def wrong(model):
+        sd = mapped(model)
+        sd["encoder.layers.1.feed_forward.output_dense.bias"] += 1e-3
+        return sd
+
+    monkeypatch.setattr(ex, "hubert_state_dict", wrong)
+    run = make_run(tmp_path / "run")
+    # the final LayerNorm removes a uniform shift: only the per-layer comparison sees this error
+    with pytest.raises(ExportError, match="does not reproduce .*: layer 2;"):
+        export(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and (tmp_path / "hf.unverified" / "model.safetensors").is_file()
+
+
+def test_padding_is_explicit_and_recorded(exported):
+    """Unpadded audio gives T-1 frames; pad_for_export gives T; the pad is in config.json and musiclm_stab.json."""
+    _, out = exported("pre")
+    hf = transformers.HubertModel.from_pretrained(out).eval()
+    wav = torch.randn(1, 320 * 50) * 0.1
+    with torch.no_grad():
+        assert hf(wav).last_hidden_state.shape[1] == 49
+        assert hf(pad_for_export(wav)).last_hidden_state.shape[1] == 50
+    assert pad_for_export(np.zeros(330, np.float32)).shape == (640 + 80,)  # aligned to 2 frames, then padded
+    assert pad_for_export(torch.zeros(2, 330), align=False).shape == (2, 410)
+    assert json.loads((out / "config.json").read_text())["musiclm_stab"]["pad_samples"] == 40
+    assert json.loads((out / "musiclm_stab.json").read_text())["pad_samples"] == 40
+    fe = transformers.AutoFeatureExtractor.from_pretrained(out)
+    assert (fe.sampling_rate, fe.do_normalize, type(fe).__name__) == (
+        24000,
+        False,
+        "Wav2Vec2FeatureExtractor",
+    )
+
+
+@pytest.mark.parametrize("scheme", ["pre", "post"])
+def test_heads_recompute_our_losses(exported, make_music, scheme):
+    """Losses recomputed from the export and heads.safetensors equal MusicMLM.forward's, term by term."""
+    run, out = exported(scheme)
+    model, _, _ = load_checkpoint(run)
+    hf = transformers.HubertModel.from_pretrained(out).eval()
+    g = torch.Generator().manual_seed(0)
+    wav = torch.from_numpy(np.stack([make_music(2.0, seed=4), make_music(2.0, seed=5)]))  # (2, 48000)
+    codes = torch.randint(0, 1024, (2, 8, 150), generator=g)
+    mask = span_mask(2, 150, 0.8, 5, g)
+    with torch.no_grad():
+        ours = model(wav, wav, codes, mask)
+        theirs = mlm_losses(hf, load_heads(out), wav, wav, codes, mask)
+    for name in (
+        "loss",
+        "acoustic_mlm_loss",
+        "acoustic_ce",
+        "acoustic_acc",
+        "musical_mlm_loss",
+        "features_pen",
+    ):
+        assert_close(getattr(theirs, name), getattr(ours, name), atol=1e-4, rtol=1e-4, msg=name)
+    assert float(ours.acoustic_mlm_loss) > 1.0  # not a degenerate zero
+
+
+def test_cli_export(tmp_path, capsys):
+    """`musiclm-stab export` writes a verified export; a second run without --overwrite is refused."""
+    run = make_run(tmp_path / "run", norm_scheme="post")
+    ckpt = run / "checkpoints" / "step_00000001"
+    assert cli_main([str(ckpt), str(tmp_path / "hf"), "--seconds", "2"]) == 0
+    assert "last_hidden" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "musiclm_stab.json").read_text())["source"]["step"] == 1
+    assert cli_main([str(run), str(tmp_path / "hf")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
