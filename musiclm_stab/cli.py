@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenize": ("musiclm_stab.tokenize", "tokenize audio into EnCodec codes, as an HF dataset"),
     "evaluate": ("musiclm_stab.evaluate", "held-out loss per codebook of a run or checkpoint"),
     "plot": ("musiclm_stab.plot", "the stability study's figures from run directories"),
+    "study": ("musiclm_stab.study", "the whole stability study: four runs, then its figures (cpu or full scale)"),
+    "sweep": ("musiclm_stab.sweep", "learning-rate sensitivity sweep over norm schemes (Wortsman et al. 2023)"),
     "export": ("musiclm_stab.export", "export an encoder to transformers.HubertModel, verified layer by layer"),
     "features": ("musiclm_stab.features", "75 Hz per-layer features of audio of any length (chunked), to .npy"),
     "quickstart": ("musiclm_stab.quickstart", "the main job: corpus, tokenize, pretrain, evaluate"),
