@@ -1,48 +1,337 @@
-"""Decoding audio into the pipeline's one waveform format: a float32 mono tensor [S] at 24 kHz.
+"""Decoding audio into the pipeline's one waveform format: float32 mono at 24 kHz, whole or in blocks.
 
 Decoding goes through ``soundfile`` (libsndfile, bundled in its wheel), which reads wav, flac, ogg,
-mp3, aiff and au without FFmpeg. Stereo is down-mixed by averaging channels, then the signal is
-resampled with ``torchaudio.functional.resample``. Anything that cannot become a usable waveform
-raises ``AudioError`` naming the source and the reason, so callers can skip the file and report it.
+mp3, aiff and au without FFmpeg. Channels are down-mixed by averaging, then the signal is resampled
+with ``torchaudio.functional.resample``. Long files are never held whole: ``open_audio`` gives an
+``AudioReader`` that decodes in blocks, ``scan`` checks a whole track in one pass (length, peak,
+non-finite samples, truncation), and ``resampled_blocks`` streams it at 24 kHz. The block-wise
+resampling equals a whole-track ``resample`` up to float rounding (see ``StreamResampler``).
+
+Anything that cannot become a usable waveform raises ``AudioError`` with the source, a reason, and a
+``kind`` (one of ``FAILURE_KINDS``), so callers can skip the file and report it.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 import torch
-import torchaudio.functional as AF
+import torchaudio.transforms
 
 from musiclm_stab import SAMPLE_RATE
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".aiff", ".aif", ".au")
+FAILURE_KINDS = {
+    "missing": "the file does not exist (or is a broken link)",
+    "unreadable": "the file exists but cannot be opened (permissions, not a regular file, I/O error)",
+    "empty": "0 bytes",
+    "not_audio": "not a format libsndfile recognises",
+    "corrupt": "recognised, but the header or the encoded data is damaged",
+    "truncated": "the file ends before the length its header declares",
+    "no_samples": "a valid file with no samples",
+    "non_finite": "NaN or inf samples",
+    "silent": "peak below the silence threshold (tokenizer policy)",
+    "too_short": "shorter than min_seconds, or no whole 320-sample frame at 24 kHz (tokenizer policy)",
+    "bad_row": "a dataset row with no usable audio",
+}
+BLOCK_SECONDS = 10.0  # source audio decoded per block
 
 # torchaudio's resampling kernel is (new/g) x (orig/g) for g = gcd(orig, new); a rate such as
 # 44101 Hz (g = 1) would need gigabytes. Such rates are snapped to the nearest multiple of 100 Hz.
 _MAX_KERNEL = 20_000_000
+_LOWPASS_WIDTH, _ROLLOFF = 6, 0.99  # torchaudio.functional.resample's defaults, used below
 
 
 class AudioError(ValueError):
     """A file or buffer could not be turned into a usable 24 kHz mono waveform."""
 
-    def __init__(self, path: str | Path, reason: str):
-        self.path = str(path)
-        self.reason = reason
+    def __init__(self, path: str | Path, reason: str, kind: str = "corrupt"):
+        assert kind in FAILURE_KINDS, kind
+        self.path, self.reason, self.kind = str(path), reason, kind
         super().__init__(f"{self.path}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Opening and reading in blocks
+
+
+class AudioReader:
+    """An opened audio source at its own sample rate, read from the start in mono blocks.
+
+    ``frames`` is the length the header declares (for WAV, the data chunk's size even when libsndfile
+    would silently shorten it to what is on disk). Iterate ``blocks()`` as often as needed; each
+    pass decodes again, so memory holds one block, never the track.
+    """
+
+    def __init__(self, name: str, sample_rate: int, frames: int, channels: int,
+                 soundfile: sf.SoundFile | None = None, array: np.ndarray | None = None):
+        self.name, self.sample_rate, self.frames, self.channels = name, sample_rate, frames, channels
+        self._file, self._array = soundfile, array  # exactly one is set; array is mono (S,)
+
+    def blocks(self, block_frames: int | None = None) -> Iterator[np.ndarray]:
+        """Mono float32 blocks [n] of at most ``block_frames`` source samples, from the start."""
+        block_frames = block_frames or int(BLOCK_SECONDS * self.sample_rate)
+        if self._array is not None:
+            for start in range(0, len(self._array), block_frames):
+                yield self._array[start : start + block_frames]
+            return
+        f, done = self._file, 0
+        try:
+            if f.tell() != 0:
+                f.seek(0)
+        except (sf.SoundFileError, RuntimeError) as e:
+            raise AudioError(self.name, f"cannot rewind to the start (damaged file): {e}", "corrupt") from None
+        while True:
+            try:
+                block = f.read(block_frames, dtype="float32", always_2d=True)  # (n, C)
+            except (sf.SoundFileError, RuntimeError) as e:
+                raise AudioError(self.name, f"decoding failed after {done / self.sample_rate:.2f} s of "
+                                 f"{self.frames / self.sample_rate:.2f} s declared (corrupt or truncated "
+                                 f"data): {e}", "corrupt") from None
+            if len(block) == 0:
+                break
+            done += len(block)
+            yield block.mean(axis=1) if block.shape[1] > 1 else block[:, 0]  # (n,): average the channels
+        # libsndfile's mp3 lengths are estimates; other formats must deliver what the header declares
+        missing = self.frames - done
+        tolerance = max(self.sample_rate // 2, self.frames // 100) if f.format in ("MP3", "MPEG") else 0
+        if missing > tolerance:
+            raise AudioError(self.name, f"truncated: the header declares {self.frames / self.sample_rate:.2f} s "
+                             f"but the data ends at {done / self.sample_rate:.2f} s", "truncated")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> AudioReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioReader:
+    """Open a file path, or encoded bytes held in memory, for block reading. Raises AudioError.
+
+    Checks, in order: the path exists (``missing``), is a regular file that can be opened
+    (``unreadable``), has bytes (``empty``), is a format libsndfile knows (``not_audio``) with a sound
+    header (``corrupt``), declares samples (``no_samples``), and for WAV is not cut short (``truncated``).
+    """
+    if isinstance(source, bytes):
+        name = name or "<bytes>"
+        if not source:
+            raise AudioError(name, "empty audio bytes (0 bytes)", "empty")
+        return _open_soundfile(io.BytesIO(source), name, source[:65536], len(source))
+    path = Path(source)
+    name = name or str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        why = "broken symbolic link" if path.is_symlink() else "file does not exist"
+        raise AudioError(name, why, "missing") from None
+    except OSError as e:
+        raise AudioError(name, f"cannot stat the file: {e.strerror or e}", "unreadable") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or \
+            stat.S_ISBLK(st.st_mode) else "not a regular file"
+        raise AudioError(name, f"not a regular file ({what})", "unreadable")
+    if st.st_size == 0:
+        raise AudioError(name, "empty file (0 bytes)", "empty")
+    try:  # open it ourselves first: libsndfile reports a permission error as a vague "System error"
+        with open(path, "rb") as f:
+            head = f.read(65536)
+    except OSError as e:
+        raise AudioError(name, f"cannot open the file: {e.strerror or e}", "unreadable") from None
+    return _open_soundfile(str(path), name, head, st.st_size)
+
+
+def _open_soundfile(source: str | io.BytesIO, name: str, head: bytes, size: int) -> AudioReader:
+    try:
+        f = sf.SoundFile(source)
+    except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as e:
+        unknown = "Format not recognised" in str(e) or not _looks_like_audio(head)
+        kind = "not_audio" if unknown else "corrupt"
+        what = "not a readable audio file" if unknown else "a damaged audio file"
+        raise AudioError(name, f"{what} ({'unknown format' if unknown else 'header unreadable'}): {e}",
+                         kind) from None
+    frames = f.frames
+    if f.samplerate <= 0 or f.channels <= 0:
+        f.close()
+        raise AudioError(name, f"invalid header: {f.samplerate} Hz, {f.channels} channels", "corrupt")
+    if f.format == "WAV":
+        declared = _wav_declared_frames(head, size)
+        if declared is not None and declared[0] > declared[1]:
+            f.close()
+            raise AudioError(name, f"truncated: the header declares {declared[0] / f.samplerate:.2f} s "
+                             f"but the file holds {declared[1] / f.samplerate:.2f} s", "truncated")
+    if frames == 0:
+        f.close()
+        raise AudioError(name, "no audio samples (0 samples)", "no_samples")
+    return AudioReader(name, f.samplerate, frames, f.channels, soundfile=f)
+
+
+_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"fLaC", b"OggS", b"ID3", b"FORM", b".snd", b"\xff\xfb", b"\xff\xf3",
+          b"\xff\xf2", b"\xff\xfa")
+
+
+def _looks_like_audio(head: bytes) -> bool:
+    return head.startswith(_MAGIC)
+
+
+def _wav_declared_frames(head: bytes, size: int) -> tuple[int, int] | None:
+    """(frames the RIFF data chunk declares, frames actually in the file), or None if unknown.
+
+    libsndfile shortens a truncated WAV to what is on disk without a word; the data chunk's size field
+    still says how long it was meant to be. Streaming writers leave that field 0 or 0xFFFFFFFF.
+    """
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    pos, block_align = 12, None
+    while pos + 8 <= len(head):
+        chunk, length = head[pos : pos + 4], struct.unpack("<I", head[pos + 4 : pos + 8])[0]
+        if chunk == b"fmt " and pos + 22 <= len(head):
+            block_align = struct.unpack("<H", head[pos + 20 : pos + 22])[0]
+        if chunk == b"data":
+            if not block_align or length in (0, 0xFFFFFFFF):
+                return None
+            return length // block_align, max(0, size - pos - 8) // block_align
+        pos += 8 + length + (length & 1)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scanning a whole track, and resampling it in blocks
+
+
+@dataclass
+class AudioStats:
+    """What one pass over a track found (at its own sample rate, after the down-mix)."""
+
+    frames: int
+    sample_rate: int
+    peak: float  # max |x|
+    non_finite: int  # NaN or inf samples
+
+    @property
+    def peak_dbfs(self) -> float:
+        return 20 * math.log10(self.peak) if self.peak > 0 else -math.inf
+
+    @property
+    def samples_24k(self) -> int:
+        """Length after resampling to 24 kHz (the resampler's rule: ceil(frames * new / orig))."""
+        orig = _usable_rate(self.sample_rate)
+        g = math.gcd(orig, SAMPLE_RATE)
+        return -(-self.frames * (SAMPLE_RATE // g) // (orig // g))
+
+
+def scan(reader: AudioReader) -> AudioStats:
+    """Decode a track once, in blocks, and check it: raises AudioError for decode errors, truncation,
+    no samples or non-finite samples; returns its length and peak."""
+    frames, peak, bad = 0, 0.0, 0
+    for block in reader.blocks():
+        finite = np.isfinite(block)
+        n_bad = int(block.size - np.count_nonzero(finite))
+        bad += n_bad
+        if block.size - n_bad:
+            peak = max(peak, float(np.abs(block if not n_bad else block[finite]).max()))
+        frames += len(block)
+    if frames == 0:
+        raise AudioError(reader.name, "no audio samples (0 samples)", "no_samples")
+    if bad:
+        raise AudioError(reader.name, f"{bad} of {frames} samples are not finite (NaN or inf)", "non_finite")
+    return AudioStats(frames, reader.sample_rate, peak, bad)
+
+
+class StreamResampler:
+    """Resample a long signal block by block to 24 kHz, equal to one whole-signal resample.
+
+    ``torchaudio.functional.resample`` works in frames of o input samples -> n output samples (o, n the
+    rates divided by their gcd); output frame f is a fixed filter over inputs [f*o - w, f*o + o + w)
+    with zeros outside the signal, where w is the filter's half-width. So each call here resamples a
+    window that starts on a frame boundary with at least w samples of real context on each side
+    (zeros only where the signal really ends) and keeps the frames whose inputs were all present: the
+    kept outputs are the whole-signal outputs, up to float rounding of the conv over another length.
+    The total length is ceil(L * n / o), computed exactly in integers.
+    """
+
+    def __init__(self, sample_rate: int):
+        self.orig = _usable_rate(sample_rate)
+        g = math.gcd(self.orig, SAMPLE_RATE)
+        self.o, self.n = self.orig // g, SAMPLE_RATE // g
+        width = math.ceil(_LOWPASS_WIDTH * self.o / (min(self.o, self.n) * _ROLLOFF))
+        self.context = self.o * (width // self.o + 2)  # >= w + o, a whole number of frames
+        # the kernel once, as resample() would build it at every call (float32, its default settings)
+        self._resample = torchaudio.transforms.Resample(self.orig, SAMPLE_RATE, dtype=torch.float32)
+        self._buf = torch.zeros(0)  # input from global sample self._buf_start on
+        self._buf_start = 0
+        self._next_frame = 0  # first output frame not yet emitted
+        self._seen = 0  # input samples received
+
+    def process(self, block: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Feed the next input block [m]; returns the 24 kHz output [k] that is now final."""
+        if self.orig == SAMPLE_RATE:
+            self._seen += len(block)
+            return block
+        self._buf = torch.cat([self._buf, block]) if len(self._buf) else block
+        self._seen += len(block)
+        end = self._seen
+        if last:
+            total = -(-end * self.n // self.o)  # ceil(L n / o)
+            ready = -(-total // self.n)  # frames needed to cover it
+        else:  # frame f is final once inputs up to f*o + o + w have arrived
+            ready = max(self._next_frame, (end - self.context) // self.o)
+            total = ready * self.n
+        if ready == self._next_frame:
+            return torch.zeros(0)
+        first = self._next_frame
+        a = max(0, first * self.o - self.context)  # window start: on a frame boundary
+        assert a >= self._buf_start and a % self.o == 0
+        b = end if last else min(end, ready * self.o + self.context)
+        window = self._buf[a - self._buf_start : b - self._buf_start]
+        y = self._resample(window)  # frames of the window, from global frame a/o (= AF.resample's result)
+        lo = (first - a // self.o) * self.n
+        out = y[lo : lo + min(total, ready * self.n) - first * self.n]
+        self._next_frame = ready
+        keep_from = max(0, ready * self.o - self.context)  # the next window starts at or after this
+        self._buf = self._buf[keep_from - self._buf_start :]
+        self._buf_start = keep_from
+        return out
+
+
+def resampled_blocks(reader: AudioReader, block_frames: int | None = None) -> Iterator[torch.Tensor]:
+    """The track as float32 mono 24 kHz blocks [k] (lengths vary; their concatenation is the track)."""
+    resampler = StreamResampler(reader.sample_rate)
+    pending = None
+    for block in reader.blocks(block_frames):
+        if pending is not None:
+            out = resampler.process(pending)
+            if len(out):
+                yield out
+        pending = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
+    if pending is not None:
+        out = resampler.process(pending, last=True)
+        if len(out):
+            yield out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole-waveform helpers
 
 
 def load_audio(path: str | Path) -> torch.Tensor:
     """Decode an audio file to a float32 mono waveform [S] at 24 kHz. Raises AudioError."""
-    path = Path(path)
-    if not path.is_file():
-        raise AudioError(path, "file does not exist")
-    if path.stat().st_size == 0:
-        raise AudioError(path, "empty file (0 bytes)")
-    return _decode(str(path), path)
+    with open_audio(path) as reader:
+        return _read_all(reader)
 
 
 def decode_bytes(data: bytes, name: str) -> torch.Tensor:
@@ -50,17 +339,13 @@ def decode_bytes(data: bytes, name: str) -> torch.Tensor:
 
     ``name`` identifies the source in error messages (a path or a row id).
     """
-    if not data:
-        raise AudioError(name, "empty audio bytes (0 bytes)")
-    return _decode(io.BytesIO(data), name)
+    with open_audio(data, name) as reader:
+        return _read_all(reader)
 
 
-def from_array(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "<array>") -> torch.Tensor:
-    """Turn a waveform already in memory into float32 mono [S] at 24 kHz.
-
-    ``array`` is [S], or 2-D with channels on the shorter axis ([S, C] as soundfile returns it, or
-    [C, S] as torch code usually holds it). Integer PCM is scaled to [-1, 1].
-    """
+def array_reader(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "<array>") -> AudioReader:
+    """An AudioReader over a waveform already in memory: [S], or 2-D with channels on the shorter
+    axis ([S, C] as soundfile returns it, [C, S] as torch code holds it). Integer PCM is scaled to [-1, 1]."""
     wave = torch.as_tensor(np.asarray(array))
     if wave.dtype in (torch.int16, torch.int32, torch.int8, torch.uint8):
         wave = _int_to_float(wave)
@@ -69,33 +354,25 @@ def from_array(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "
         channel_axis = 0 if wave.shape[0] < wave.shape[1] else 1
         wave = wave.mean(dim=channel_axis)  # (S,)
     elif wave.dim() != 1:
-        raise AudioError(name, f"expected a waveform of shape [S] or [S, C], got {tuple(wave.shape)}")
-    return _to_model_rate(wave, int(sample_rate), name)
-
-
-def _decode(source: str | io.BytesIO, name: str | Path) -> torch.Tensor:
-    try:
-        data, sample_rate = sf.read(source, dtype="float32", always_2d=True)  # (S, C)
-    except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as e:
-        raise AudioError(name, f"not a readable audio file (corrupt or unsupported format): {e}") from None
-    wave = torch.from_numpy(data).mean(dim=1)  # (S, C) -> (S,): down-mix by averaging channels
-    return _to_model_rate(wave, sample_rate, name)
-
-
-def _to_model_rate(wave: torch.Tensor, sample_rate: int, name: str | Path) -> torch.Tensor:
-    """Check a mono float waveform [S] and resample it to 24 kHz."""
+        raise AudioError(name, f"expected a waveform of shape [S] or [S, C], got {tuple(wave.shape)}", "bad_row")
+    if int(sample_rate) <= 0:
+        raise AudioError(name, f"invalid sample rate {sample_rate}", "bad_row")
     if wave.numel() == 0:
-        raise AudioError(name, "no audio samples (0 samples)")
-    if sample_rate <= 0:
-        raise AudioError(name, f"invalid sample rate {sample_rate}")
-    bad = int((~torch.isfinite(wave)).sum())
-    if bad:
-        raise AudioError(name, f"{bad} of {wave.numel()} samples are not finite (NaN or inf)")
-    if sample_rate != SAMPLE_RATE:
-        wave = AF.resample(wave, _usable_rate(sample_rate), SAMPLE_RATE)
-    if wave.numel() == 0:
-        raise AudioError(name, f"no samples left after resampling from {sample_rate} Hz to {SAMPLE_RATE} Hz")
-    return wave.contiguous()
+        raise AudioError(name, "no audio samples (0 samples)", "no_samples")
+    return AudioReader(name, int(sample_rate), wave.numel(), 1, array=wave.numpy())
+
+
+def from_array(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "<array>") -> torch.Tensor:
+    """Turn a waveform already in memory into float32 mono [S] at 24 kHz (layouts as ``array_reader``)."""
+    return _read_all(array_reader(array, sample_rate, name))
+
+
+def _read_all(reader: AudioReader) -> torch.Tensor:
+    scan(reader)
+    blocks = list(resampled_blocks(reader))
+    if not blocks:
+        raise AudioError(reader.name, f"no samples left after resampling to {SAMPLE_RATE} Hz", "too_short")
+    return torch.cat(blocks).contiguous()
 
 
 def _int_to_float(wave: torch.Tensor) -> torch.Tensor:
@@ -112,7 +389,11 @@ def _usable_rate(rate: int) -> int:
 
 
 def list_audio_files(folder: str | Path) -> list[Path]:
-    """All audio files under ``folder`` (recursive), sorted by their path relative to it."""
+    """Audio files under ``folder`` (recursive), sorted by their path relative to it.
+
+    Every entry with an audio extension that is not a directory is listed, broken links and FIFOs
+    included: they are bad inputs to report, not to pass over in silence.
+    """
     folder = Path(folder)
-    files = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_EXTENSIONS]
+    files = [p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS and not p.is_dir()]
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())

@@ -1,4 +1,6 @@
-"""The default corpus of real music, made offline: Bach chorales voiced for General MIDI instruments.
+"""The default corpus of real music, made offline: Bach chorales voiced for General MIDI instruments,
+and (``preset="hours"``) a few hours of chorales, string quartets, madrigals, trecento polyphony and
+fiddle tunes (corpus_works.py).
 
 Why this exists: the pipeline needs real music to tokenize and pretrain on, and tests and CPU runs need
 it without a network. ``music21`` ships the Bach chorales as scores; ``pretty_midi`` ships a small
@@ -9,6 +11,7 @@ audio files.
     plan_track(source, seed, ensemble)   music21 score -> Track (voices, instruments, timed notes)
     render_track(track, sample_rate)     Track -> float32 audio [S, 2], peak at -1 dBFS
     build_corpus(out_dir, ...)           N tracks -> {index:03d}_{name}.flac + manifest.jsonl + corpus.json
+    build_corpus(out_dir, preset="hours")     the larger build; see corpus_works.PRESETS
 
 Licences of the sources are in data/README.md.
 """
@@ -54,8 +57,11 @@ GM_NAMES = {
     6: "Harpsichord",
     19: "Church Organ",
     20: "Reed Organ",
+    21: "Accordion",
+    22: "Harmonica",
     24: "Acoustic Guitar (nylon)",
     25: "Acoustic Guitar (steel)",
+    32: "Acoustic Bass",
     40: "Violin",
     41: "Viola",
     42: "Cello",
@@ -77,6 +83,11 @@ GM_NAMES = {
     71: "Clarinet",
     73: "Flute",
     74: "Recorder",
+    75: "Pan Flute",
+    79: "Ocarina",
+    105: "Banjo",
+    109: "Bagpipe",
+    110: "Fiddle",
 }
 # Ensembles as (Soprano, Alto, Tenor, Bass) programs. Tracks cycle through a seeded shuffle of
 # ENSEMBLE_CYCLE, so every ensemble comes once per cycle and the corpus is not all piano.
@@ -133,6 +144,11 @@ class Voice:
     name: str
     program: int
     notes: list[tuple[float, float, int, int]] = field(default_factory=list)
+    pan: int | None = None  # CC10; None: the chorale voice's PAN
+
+    @property
+    def pan_cc(self) -> int:
+        return self.pan if self.pan is not None else PAN[self.name]
 
     @property
     def instrument(self) -> str:
@@ -147,10 +163,11 @@ class Track:
     ensemble: str
     tempo_qpm: int
     voices: list[Voice]
+    title: str | None = None  # file name stem; default: the source's stem
 
     @property
     def name(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(self.source).stem)
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", self.title or Path(self.source).stem)
 
     @property
     def seconds(self) -> float:
@@ -167,6 +184,14 @@ class CorpusConfig:
     fmt: str
     max_seconds: float | None
     version: int = CORPUS_VERSION
+    preset: str = "default"
+
+    def as_dict(self) -> dict:
+        """For corpus.json; the default preset is left out, so corpora built before presets still match."""
+        d = asdict(self)
+        if d["preset"] == "default":
+            del d["preset"]
+        return d
 
 
 def soundfont_path() -> Path:
@@ -283,9 +308,9 @@ def render_track(
     """
     synth = _require("tinysoundfont").Synth(samplerate=sample_rate)
     sfid = synth.sfload(soundfont if soundfont is not None else str(soundfont_path()))
-    for channel, voice in enumerate(track.voices):  # channels 0-3: never 9, the GM drum channel
+    for channel, voice in enumerate(track.voices):  # at most 8 voices: never channel 9, the GM drum channel
         synth.program_select(channel, sfid, 0, voice.program)
-        synth.control_change(channel, 10, PAN[voice.name])
+        synth.control_change(channel, 10, voice.pan_cc)
 
     total = track.seconds if max_seconds is None else min(track.seconds, max_seconds)
     n_samples = int(round(total * sample_rate))
@@ -334,7 +359,7 @@ def _write_audio(path: Path, audio: np.ndarray, sample_rate: int, fmt: str) -> N
 
 def _corpus_files(out_dir: Path) -> list[Path]:
     """Files a previous build wrote here (audio, manifest, corpus.json, leftovers of an interrupted run)."""
-    pattern = re.compile(r"^\.?\d{3}_.+\.(flac|wav)(\.partial)?$")
+    pattern = re.compile(r"^\.?\d{3,}_.+\.(flac|wav)(\.partial)?$")
     names = {"manifest.jsonl", "corpus.json"}
     return [p for p in out_dir.iterdir() if p.is_file() and (p.name in names or pattern.match(p.name))]
 
@@ -349,7 +374,7 @@ def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list
         return None
     meta_path = out_dir / "corpus.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if meta is not None and meta.get("config") == asdict(config):
+    if meta is not None and meta.get("config") == config.as_dict():
         files = [out_dir / f for f in meta.get("files", [])]
         if meta.get("complete") and all(f.is_file() for f in files):
             return files
@@ -357,7 +382,7 @@ def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list
     elif not overwrite:
         found = f"a corpus with config {meta.get('config')}" if meta else "files but no corpus.json"
         raise FileExistsError(
-            f"{out_dir} is not empty: it holds {found}, and this build's config is {asdict(config)}. "
+            f"{out_dir} is not empty: it holds {found}, and this build's config is {config.as_dict()}. "
             "Choose another directory, or pass overwrite=True (--overwrite) to replace that corpus."
         )
     for f in _corpus_files(out_dir):
@@ -367,30 +392,42 @@ def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list
 
 def build_corpus(
     out_dir: str | os.PathLike,
-    num_tracks: int = 24,
+    num_tracks: int | None = None,
     seed: int = 0,
     sample_rate: int = 44100,
     fmt: str = "flac",
     max_seconds: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    preset: str = "default",
 ) -> list[Path]:
-    """Render ``num_tracks`` Bach chorales into ``out_dir``; return the audio paths in track order.
+    """Render the corpus into ``out_dir``; return the audio paths in track order.
 
-    Writes ``{index:03d}_{chorale}.{fmt}`` (stereo, 16-bit, ``sample_rate`` Hz; 44.1 kHz by default so
-    that the tokenizer's resampling is exercised), ``manifest.jsonl`` (one row per track) and
-    ``corpus.json`` (the config; written last, so its "complete" flag means every file is there).
-    Deterministic in ``seed``; the first k tracks of a larger corpus with the same seed are the same
-    chorales with the same instruments. Returns at once if out_dir already holds this corpus.
+    ``preset="default"``: ``num_tracks`` (default 24) Bach chorales. ``preset="hours"``: a few hours of
+    chorales, string quartets, madrigals, trecento polyphony and fiddle tunes, interleaved, each track
+    cut at ``max_seconds`` (default 180 s); ``num_tracks`` takes the first tracks of it.
+    Writes ``{index:03d}_{name}.{fmt}`` (stereo, 16-bit, ``sample_rate`` Hz; 44.1 kHz by default so
+    that the tokenizer's resampling is exercised), ``manifest.jsonl`` (one row per track, with its
+    source, instruments and licence) and ``corpus.json`` (the config; written last, so its "complete"
+    flag means every file is there). Deterministic in ``seed``; the first k tracks of a larger corpus
+    with the same seed and preset are the same tracks. Returns at once if out_dir already holds this corpus.
     """
     from tqdm import tqdm
 
+    from musiclm_stab.corpus_works import PRESET_MAX_SECONDS, PRESETS, plans
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r}: choose one of {sorted(FORMATS)}")
-    if num_tracks < 1:
-        raise ValueError(f"num_tracks={num_tracks}: must be at least 1")
+    total = sum(PRESETS[preset].values())
+    num_tracks = total if num_tracks is None else num_tracks
+    if num_tracks < 1 or (preset != "default" and num_tracks > total):
+        raise ValueError(f"num_tracks={num_tracks}: must be at least 1" + (f" and at most {total} for preset "
+                                                                           f"{preset!r}" if preset != "default" else ""))
+    max_seconds = PRESET_MAX_SECONDS[preset] if max_seconds is None else max_seconds
     out_dir = Path(out_dir)
-    config = CorpusConfig(num_tracks, seed, sample_rate, fmt, max_seconds)
+    config = CorpusConfig(num_tracks, seed, sample_rate, fmt, max_seconds, preset=preset)
     done = _check_out_dir(out_dir, config, overwrite)
     if done is not None:
         log.info("%s already holds this corpus (%d tracks): nothing to do", out_dir, len(done))
@@ -398,46 +435,36 @@ def build_corpus(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     meta = {
-        "config": asdict(config),
+        "config": config.as_dict(),
         "complete": False,
         "files": [],
         "music21_version": _require("music21").__version__,
         "soundfont": SOUNDFONT_NAME,
     }
     (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-    sources = chorale_sources()
-    random.Random(seed).shuffle(sources)
-    ensembles = list(ENSEMBLE_CYCLE)
-    random.Random(f"{seed}:ensembles").shuffle(ensembles)
     soundfont = soundfont_path().read_bytes()
 
     paths, rows = [], []
-    bar = tqdm(total=num_tracks, desc="rendering chorales", unit="track", disable=not progress)
-    for source in sources:
+    bar = tqdm(total=num_tracks, desc="rendering", unit="track", disable=not progress)
+    t0 = time.perf_counter()
+    for collection, track in plans(preset, seed, num_tracks):
         if len(paths) == num_tracks:
             break
         index = len(paths)
-        t0 = time.perf_counter()
-        try:
-            track = plan_track(source, seed, ensembles[index % len(ensembles)])
-        except Exception as e:
-            log.warning("skipping %s: %s: %s", source, type(e).__name__, e)
-            continue
         t1 = time.perf_counter()
         audio = render_track(track, sample_rate, max_seconds, soundfont)
         path = out_dir / f"{index:03d}_{track.name}.{fmt}"
         _write_audio(path, audio, sample_rate, fmt)
         t2 = time.perf_counter()
         seconds = audio.shape[0] / sample_rate
-        log.info(
-            "%s: %.1f s of audio; parse %.2f s, render+write %.2f s", path.name, seconds, t1 - t0, t2 - t1
-        )
+        log.info("%s: %.1f s of audio; parse %.2f s, render+write %.2f s", path.name, seconds, t1 - t0, t2 - t1)
+        t0 = t2
         paths.append(path)
         rows.append(
             {
                 "file": path.name,
                 "source": track.source,
+                "collection": collection,
                 "ensemble": track.ensemble,
                 "instruments": [
                     {"voice": v.name, "program": v.program, "instrument": v.instrument} for v in track.voices
@@ -446,19 +473,25 @@ def build_corpus(
                 "seconds": round(seconds, 3),
                 "sample_rate": sample_rate,
                 "channels": 2,
-                "licence": LICENCE_NOTE,
+                "licence": LICENCE_NOTE if collection == "chorales" else _collection_licence(collection),
             }
         )
         bar.update(1)
     bar.close()
     if len(paths) < num_tracks:
-        raise RuntimeError(f"only {len(paths)} of {len(sources)} chorales rendered; asked for {num_tracks}")
+        raise RuntimeError(f"only {len(paths)} tracks could be rendered; asked for {num_tracks}")
 
     with open(out_dir / "manifest.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     meta.update(complete=True, files=[p.name for p in paths])
     (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
     return paths
+
+
+def _collection_licence(name: str) -> str:
+    from musiclm_stab.corpus_works import COLLECTIONS
+
+    return COLLECTIONS[name].licence
 
 
 def read_manifest(out_dir: str | os.PathLike) -> list[dict]:
@@ -471,10 +504,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     """``musiclm-stab build-corpus OUT_DIR [--num-tracks 24] [--seed 0] ...``"""
     parser = argparse.ArgumentParser(
         prog="musiclm-stab build-corpus",
-        description="Render Bach chorales from music21's corpus with a General MIDI soundfont (offline).",
+        description="Render music from music21's corpus with a General MIDI soundfont (offline).",
     )
     parser.add_argument("out_dir", help="directory for the audio files, manifest.jsonl and corpus.json")
-    parser.add_argument("--num-tracks", type=int, default=24)
+    parser.add_argument("--preset", choices=["default", "hours"], default="default",
+                        help="default: 24 Bach chorales (~22 min); hours: chorales, string quartets, madrigals, "
+                        "trecento polyphony and fiddle tunes (a few hours; see data/README.md)")
+    parser.add_argument("--num-tracks", type=int, default=None, help="default: 24, or all of the preset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-rate", type=int, default=44100)
     parser.add_argument("--format", dest="fmt", choices=sorted(FORMATS), default="flac")
@@ -493,6 +529,7 @@ def cli_main(argv: list[str] | None = None) -> int:
             fmt=args.fmt,
             max_seconds=args.max_seconds,
             overwrite=args.overwrite,
+            preset=args.preset,
         )
     except FileExistsError as e:
         print(f"musiclm-stab build-corpus: {e}", file=sys.stderr)

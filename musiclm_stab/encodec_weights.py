@@ -14,13 +14,14 @@ model's codes: the weights are identified by a sha256 that travels with every to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,16 @@ def load_encodec(weights: str | Path | None = None) -> tuple[EncodecModel, dict[
     return model.eval(), info
 
 
+def prepare_for_inference(model: EncodecModel) -> EncodecModel:
+    """Fold weight norm into plain conv weights, in place: the same outputs, bit for bit, without
+    recomputing every weight at every forward (~0.2 s per call on a CPU). Compute the weights' sha256
+    before this (``load_encodec`` does): the state dict's keys change."""
+    for module in model.modules():
+        if hasattr(module, "weight_g") and hasattr(module, "weight_v"):
+            torch.nn.utils.remove_weight_norm(module)
+    return model.eval()
+
+
 def _sidecar(weights_file: Path) -> Path:
     return weights_file.with_name(weights_file.name + ".json")
 
@@ -230,6 +241,41 @@ def _duration(source: str | Path | torch.Tensor) -> tuple[int, str | None]:
     return int(meta.frames * SAMPLE_RATE / max(meta.samplerate, 1)), None
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one CPU thread inside the block. Float results (so k-means and codes at near-ties)
+    depend on the thread count, and on a busy 2-core machine one thread is also the faster: scatter
+    adds and small LSTM steps spend most of their time synchronising threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _encoder_frames(model: EncodecModel, srcs: list, slots: list[tuple[int, int]], chunk: int,
+                    skipped: list[dict], progress: bool) -> tuple[list[torch.Tensor], int]:
+    """Encoder outputs [T, D] of each (source, start) chunk in ``slots``, and the samples used."""
+    frames, used_samples, current = [], 0, (None, None)
+    with torch.inference_mode():
+        for i, start in tqdm(slots, desc="encoder frames", unit="chunk", disable=not progress):
+            if current[0] != i:
+                try:
+                    current = (i, srcs[i] if isinstance(srcs[i], torch.Tensor) else load_audio(srcs[i]))
+                except AudioError as e:
+                    skipped.append({"path": e.path, "reason": e.reason})
+                    current = (i, torch.zeros(0))
+            piece = current[1][start : start + chunk]
+            piece = piece[: len(piece) // HOP_LENGTH * HOP_LENGTH]
+            if len(piece) < HOP_LENGTH:
+                continue
+            emb = model.encoder(piece.view(1, 1, -1))  # (1, D, T)
+            frames.append(emb[0].t())  # (T, D)
+            used_samples += len(piece)
+    return frames, used_samples
+
+
 def make_local_weights(
     sources: Sequence[str | Path | torch.Tensor | np.ndarray],
     out_file: str | Path,
@@ -267,22 +313,8 @@ def make_local_weights(
         model = _new_model(pretrained=False)
     model.eval()
 
-    frames, used_samples, current = [], 0, (None, None)
-    with torch.inference_mode():
-        for i, start in tqdm(slots, desc="encoder frames", unit="chunk", disable=not progress):
-            if current[0] != i:
-                try:
-                    current = (i, srcs[i] if isinstance(srcs[i], torch.Tensor) else load_audio(srcs[i]))
-                except AudioError as e:
-                    skipped.append({"path": e.path, "reason": e.reason})
-                    current = (i, torch.zeros(0))
-            piece = current[1][start : start + chunk]
-            piece = piece[: len(piece) // HOP_LENGTH * HOP_LENGTH]
-            if len(piece) < HOP_LENGTH:
-                continue
-            emb = model.encoder(piece.view(1, 1, -1))  # (1, D, T)
-            frames.append(emb[0].t())  # (T, D)
-            used_samples += len(piece)
+    with one_thread():
+        frames, used_samples = _encoder_frames(model, srcs, slots, chunk, skipped, progress)
     if not frames:
         raise ValueError("make_local_weights: no usable audio in the sources" +
                          (f" ({len(skipped)} unreadable, e.g. {skipped[0]})" if skipped else ""))
@@ -290,19 +322,20 @@ def make_local_weights(
     variance = (x - x.mean(0)).pow(2).sum()  # residual energies below are relative to this
 
     residual, rel_error = x, []
-    for k in tqdm(range(NUM_CODEBOOKS), desc="fitting codebooks", unit="level", disable=not progress):
-        layer = model.quantizer.vq.layers[k]
-        assert isinstance(layer.project_in, torch.nn.Identity), "codebook dim must equal encoder dim"
-        gk = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        centroids, assign, counts = kmeans(residual, CODEBOOK_SIZE, iters, gk)  # (K, D), (N,), (K,)
-        cb = layer._codebook
-        with torch.no_grad():  # same buffers EnCodec's own k-means init sets
-            cb.embed.copy_(centroids)
-            cb.embed_avg.copy_(centroids)
-            cb.cluster_size.copy_(counts.float())
-            cb.inited.fill_(1.0)
-        residual = held_out_residual(residual, centroids, assign, counts)  # (N, D)
-        rel_error.append(float(residual.pow(2).sum() / variance))
+    with one_thread():
+        for k in tqdm(range(NUM_CODEBOOKS), desc="fitting codebooks", unit="level", disable=not progress):
+            layer = model.quantizer.vq.layers[k]
+            assert isinstance(layer.project_in, torch.nn.Identity), "codebook dim must equal encoder dim"
+            gk = torch.Generator().manual_seed(seed * 1_000_003 + k)
+            centroids, assign, counts = kmeans(residual, CODEBOOK_SIZE, iters, gk)  # (K, D), (N,), (K,)
+            cb = layer._codebook
+            with torch.no_grad():  # same buffers EnCodec's own k-means init sets
+                cb.embed.copy_(centroids)
+                cb.embed_avg.copy_(centroids)
+                cb.cluster_size.copy_(counts.float())
+                cb.inited.fill_(1.0)
+            residual = held_out_residual(residual, centroids, assign, counts)  # (N, D)
+            rel_error.append(float(residual.pow(2).sum() / variance))
 
     out_file.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()  # saving to a file would put its name into the zip: same weights, other bytes

@@ -55,16 +55,16 @@ def make_music() -> Callable[..., np.ndarray]:
 
 @pytest.fixture(scope="session")
 def local_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """EnCodec weights with codebooks fitted on ~48 s of synthetic music (seed 0); path to the file."""
+    """EnCodec weights with codebooks fitted on 24 s of synthetic music (seed 0); path to the file."""
     from musiclm_stab.encodec_weights import make_local_weights
 
     root = tmp_path_factory.mktemp("weights")
     audio = root / "audio"
     audio.mkdir()
-    for i in range(6):
-        sf.write(audio / f"fit_{i}.wav", synth_music(8.0, seed=100 + i), SR)
+    for i in range(4):
+        sf.write(audio / f"fit_{i}.wav", synth_music(6.0, seed=100 + i), SR)
     out = root / "encodec_local.th"
-    make_local_weights(sorted(audio.glob("*.wav")), out, seed=0, max_seconds=60, iters=10, progress=False)
+    make_local_weights(sorted(audio.glob("*.wav")), out, seed=0, max_seconds=60, iters=8, progress=False)
     return out
 
 
@@ -83,5 +83,5 @@ def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: P
         sf.write(src / f"track_{i}.wav", synth_music(12.0, seed=200 + i), SR)
     out = root / "tokens"
     tokenize(src, out, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
-             weights_note="test weights fitted on synthetic music")
+             weights_note="test weights fitted on synthetic music", workers=0)
     return out

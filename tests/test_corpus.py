@@ -177,3 +177,68 @@ def test_cli_prints_tracks_minutes_and_time(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("2 tracks, 0.1 min of audio") and out.rstrip().endswith(" s)")
     assert cli.main([*argv[:3], "1", *argv[4:]]) == 1  # a different config in the same dir is refused
+
+
+def test_hours_preset_interleaves_collections_with_licences(tmp_path):
+    """The "hours" preset's first tracks come from several collections in the planned order, each with
+    its source, instruments and licence; a smaller build with the same seed is a byte-identical prefix."""
+    from musiclm_stab import corpus_works
+
+    paths = corpus.build_corpus(tmp_path / "a", num_tracks=5, seed=0, preset="hours", max_seconds=3, progress=False)
+    rows = corpus.read_manifest(tmp_path / "a")
+    planned = [name for name, _ in corpus_works.preset_order("hours", 0)[:5]]
+    assert [r["collection"] for r in rows] == planned and len(set(planned)) >= 3
+    for r, p in zip(rows, paths, strict=True):
+        assert "public domain" in r["licence"] and "GPL-2" in r["licence"]
+        assert r["instruments"] and all(i["instrument"] == corpus.GM_NAMES[i["program"]] for i in r["instruments"])
+        assert sf.info(p).duration == pytest.approx(3.0, abs=1e-3)
+    config = json.loads((tmp_path / "a" / "corpus.json").read_text())["config"]
+    assert (config["preset"], config["max_seconds"]) == ("hours", 3)
+    again = corpus.build_corpus(tmp_path / "b", num_tracks=3, seed=0, preset="hours", max_seconds=3, progress=False)
+    assert [p.read_bytes() for p in again] == [p.read_bytes() for p in paths[:3]]
+    with pytest.raises(ValueError, match="at most 256"):
+        corpus.build_corpus(tmp_path / "c", num_tracks=1000, preset="hours")
+
+
+def test_sources_whose_notice_reserves_rights_are_left_out():
+    """Collections skip files with a reserved-rights notice (Ut Orpheus' madrigal editions, CCARH Humdrum
+    files) and have enough music for the preset's quotas."""
+    from musiclm_stab import corpus_works
+
+    madrigals = corpus_works.collection_sources("madrigals")
+    assert len(madrigals) == 47 and all(m.endswith(".mxl") for m in madrigals)  # 49 in music21, 2 excluded
+    for name, quota in corpus_works.PRESETS["hours"].items():
+        sources = corpus.chorale_sources() if name == "chorales" else corpus_works.collection_sources(name)
+        assert len(sources) >= quota, name
+        assert not any(s.endswith(".krn") or s.startswith("palestrina/") for s in sources)
+
+
+def test_every_register_instrument_sounds_across_its_range():
+    """Every GM program the works' ensembles can pick has a TimGM6mb sample for every key of its register."""
+    import tinysoundfont
+
+    from musiclm_stab import corpus_works
+
+    ranges = {"high": (60, 93), "mid": (48, 79), "low": (28, 67), "solo": (55, 93)}
+    uses: dict[int, set[str]] = {}
+    for family in corpus_works.FAMILIES.values():
+        for register, programs in family.items():
+            for p in programs:
+                uses.setdefault(p, set()).add(register)
+    for p in corpus_works.SOLO:
+        uses.setdefault(p, set()).add("solo")
+    assert set(uses) <= set(corpus.GM_NAMES)
+    soundfont = corpus.soundfont_path().read_bytes()
+    silent = []
+    for program, registers in sorted(uses.items()):
+        synth = tinysoundfont.Synth(samplerate=8000)
+        synth.program_select(0, synth.sfload(soundfont), 0, program)
+        lo, hi = min(ranges[r][0] for r in registers), max(ranges[r][1] for r in registers)
+        for key in range(lo, hi + 1):
+            synth.noteon(0, key, 90)
+            audio = np.frombuffer(synth.generate_simple(800), dtype=np.float32)
+            synth.sounds_off(0)
+            synth.generate_simple(80)
+            if np.sqrt(np.mean(audio**2)) < 1e-3:
+                silent.append((corpus.GM_NAMES[program], key))
+    assert silent == []

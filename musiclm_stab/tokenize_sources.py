@@ -1,0 +1,274 @@
+"""Where the tokenizer's tracks come from, in a fixed order, and how they are grouped into work units.
+
+Sources (``Source.open`` picks one from the path):
+- a folder of audio files, searched recursively; tracks named by their path relative to the folder;
+- a manifest, ``.csv`` (header row) or ``.jsonl``, with a ``path`` column and optionally ``id``
+  (the track name; default: the path as written); relative paths are taken from the manifest's folder;
+- an HF dataset saved with ``save_to_disk``, with an audio column (Audio feature, ``{bytes, path}``,
+  ``{array, sampling_rate}`` or path strings); tracks named by a unique ``path`` column, else row index;
+- ``streaming=True``: ``datasets.load_dataset(SRC, split=..., streaming=True)`` (e.g. a folder of
+  parquet files), for corpora that do not fit on disk twice; tracks named by row index.
+
+A work unit is a run of consecutive tracks, closed once it holds ``part_bytes`` of source files or
+``part_tracks`` tracks (streaming: ``part_tracks`` only, sizes being unknown; dataset rows count 0 bytes). Units are what gets
+committed, resumed, retried and split into shards, so the plan is fixed at the first run.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from musiclm_stab.audio import AudioError, AudioReader, array_reader, list_audio_files, open_audio
+
+MANIFEST_SUFFIXES = (".csv", ".jsonl")
+
+
+class TokenizeError(RuntimeError):
+    """The source gave nothing to tokenize, or cannot be read as a source at all."""
+
+
+@dataclass(frozen=True)
+class TrackRef:
+    """One track of a source: picklable, so worker processes can open it."""
+
+    index: int  # position in the source's order (before sharding)
+    name: str  # the `track` column; ids are f"{name}@{start_sample}"
+    where: str  # what a failure record names: a path, or "SRC[row]"
+    size: int = 0  # bytes, for planning units (0: unknown)
+    payload: Any = None  # a path (str), encoded bytes, (array, sample_rate), a row number, or an AudioError
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Enough to reopen a source in another process."""
+
+    path: str
+    kind: str  # folder | manifest | hf_dataset | hf_streaming
+    audio_column: str = "audio"
+    split: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.path, "kind": self.kind, "audio_column": self.audio_column, "split": self.split}
+
+
+def source_spec(src: str | Path, audio_column: str = "audio", split: str | None = None,
+                streaming: bool = False) -> SourceSpec:
+    """Recognise the kind of source at ``src``."""
+    path = Path(src)
+    if streaming:
+        return SourceSpec(str(path.resolve()) if path.exists() else str(src), "hf_streaming", audio_column,
+                          split or "train")
+    if not path.exists():
+        raise FileNotFoundError(f"source {src} does not exist")
+    if path.is_file() and path.suffix.lower() in MANIFEST_SUFFIXES:
+        return SourceSpec(str(path.resolve()), "manifest")
+    if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+        return SourceSpec(str(path.resolve()), "hf_dataset", audio_column, split)
+    if path.is_dir():
+        return SourceSpec(str(path.resolve()), "folder")
+    raise TokenizeError(f"{src} is neither a folder of audio files, a manifest (.csv/.jsonl) nor a dataset "
+                        "saved with save_to_disk (for a dataset to stream, pass --streaming)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Listing tracks
+
+
+def list_tracks(spec: SourceSpec) -> list[TrackRef]:
+    """All tracks of a listable source, in order (not for streaming sources)."""
+    if spec.kind == "folder":
+        root = Path(spec.path)
+        refs = []
+        for i, p in enumerate(list_audio_files(root)):
+            try:
+                size = p.stat().st_size
+            except OSError:
+                size = 0
+            refs.append(TrackRef(i, p.relative_to(root).as_posix(), str(p), size, str(p)))
+        return refs
+    if spec.kind == "manifest":
+        return _manifest_tracks(Path(spec.path))
+    if spec.kind == "hf_dataset":
+        ds = _hf_on_disk(spec)
+        names = [str(i) for i in range(len(ds))]
+        if "path" in ds.column_names and str(ds.features["path"]) == str(_string_feature()):
+            paths = ds["path"]
+            if None not in paths and len(set(paths)) == len(paths):
+                names = list(paths)
+        return [TrackRef(i, names[i], f"{spec.path}[{i}]", 0, i) for i in range(len(ds))]
+    raise ValueError(f"list_tracks: {spec.kind} sources are iterated, not listed")
+
+
+def _string_feature():
+    import datasets
+
+    return datasets.Value("string")
+
+
+def _manifest_tracks(path: Path) -> list[TrackRef]:
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and "path" not in rows[0]:
+            raise TokenizeError(f"{path}: a CSV manifest needs a 'path' column (found: {', '.join(rows[0])})")
+    else:
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise TokenizeError(f"{path}:{n}: not a JSON object ({e})") from None
+    refs, seen = [], {}
+    for i, row in enumerate(rows):
+        file = str(row.get("path") or "").strip()
+        name = str(row.get("id") or "").strip() or file or f"row {i}"
+        if name in seen:
+            raise TokenizeError(f"{path}: track id {name!r} appears twice (rows {seen[name]} and {i}); "
+                                "ids must be unique")
+        seen[name] = i
+        if not file:
+            refs.append(TrackRef(i, name, f"{path}[{i}]", 0,
+                                 AudioError(f"{path}[{i}]", "manifest row has no path", "bad_row")))
+            continue
+        full = Path(file) if Path(file).is_absolute() else path.parent / file
+        try:
+            size = full.stat().st_size
+        except OSError:
+            size = 0
+        refs.append(TrackRef(i, name, str(full), size, str(full)))
+    return refs
+
+
+def names_sha256(refs: list[TrackRef]) -> str:
+    """Fingerprint of a source's track list (names in order)."""
+    h = hashlib.sha256()
+    for r in refs:
+        h.update(r.name.encode() + b"\n")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Units
+
+
+def plan_units(refs: list[TrackRef], part_bytes: int, part_tracks: int) -> list[tuple[int, int]]:
+    """(first track index, number of tracks) of each unit: consecutive tracks, closed once they hold
+    ``part_bytes`` bytes of source files or ``part_tracks`` tracks."""
+    units, first, size = [], 0, 0
+    for i, r in enumerate(refs):
+        size += r.size
+        if size >= part_bytes or i + 1 - first >= part_tracks:
+            units.append((first, i + 1 - first))
+            first, size = i + 1, 0
+    if first < len(refs):
+        units.append((first, len(refs) - first))
+    return units
+
+
+def stream_units(spec: SourceSpec, part_tracks: int, wanted=lambda k: True) -> Iterator[tuple[int, list[TrackRef]]]:
+    """(unit index, tracks) of a streaming source, ``part_tracks`` rows per unit. Rows of units that
+    ``wanted(k)`` rejects are read past without keeping their audio."""
+    unit: list[TrackRef] = []
+    k = 0
+    for i, value in enumerate(_hf_stream(spec)):
+        if wanted(k):
+            unit.append(TrackRef(i, str(i), f"{spec.path}[{i}]", 0, _row_payload(value, f"{spec.path}[{i}]")))
+        else:
+            unit.append(TrackRef(i, str(i), "", 0, None))
+        if len(unit) == part_tracks:
+            yield k, unit
+            unit, k = [], k + 1
+    if unit:
+        yield k, unit
+
+
+# ---------------------------------------------------------------------------------------------------
+# Opening a track
+
+_HF_CACHE: dict[SourceSpec, Any] = {}
+
+
+def _hf_on_disk(spec: SourceSpec):
+    """The dataset's audio column, with Audio features read as {bytes, path} (decoding through
+    ``datasets`` needs torchcodec and FFmpeg). Cached per process."""
+    if spec in _HF_CACHE:
+        return _HF_CACHE[spec]
+    import datasets
+
+    ds = datasets.load_from_disk(spec.path)
+    if isinstance(ds, datasets.DatasetDict):
+        split = spec.split
+        if split is None and len(ds) == 1:
+            split = next(iter(ds))
+        if split not in ds:
+            raise TokenizeError(f"{spec.path} has splits {', '.join(ds)}; choose one with --split")
+        ds = ds[split]
+    if spec.audio_column not in ds.column_names:
+        raise TokenizeError(f"{spec.path} has no column {spec.audio_column!r} (columns: "
+                            f"{', '.join(ds.column_names)}); name the audio column with --audio-column")
+    if isinstance(ds.features[spec.audio_column], datasets.Audio):
+        ds = ds.cast_column(spec.audio_column, datasets.Audio(decode=False))
+    _HF_CACHE[spec] = ds
+    return ds
+
+
+def _hf_stream(spec: SourceSpec) -> Iterator[Any]:
+    """The audio values of a streaming dataset, in order."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(spec.path, split=spec.split, streaming=True)
+    except Exception as e:
+        raise TokenizeError(f"cannot stream {spec.path} (split {spec.split}): {type(e).__name__}: {e}") from None
+    features = ds.features or {}
+    if features and spec.audio_column not in features:
+        raise TokenizeError(f"{spec.path} has no column {spec.audio_column!r} (columns: {', '.join(features)}); "
+                            "name the audio column with --audio-column")
+    if isinstance(features.get(spec.audio_column), datasets.Audio):
+        ds = ds.cast_column(spec.audio_column, datasets.Audio(decode=False))
+    for row in ds:
+        if spec.audio_column not in row:
+            raise TokenizeError(f"{spec.path}: a row has no column {spec.audio_column!r}")
+        yield row[spec.audio_column]
+
+
+def _row_payload(value: Any, where: str) -> Any:
+    """What a worker needs to open a dataset row's audio: bytes, (array, rate) or a path."""
+    if isinstance(value, dict) and value.get("bytes"):
+        return bytes(value["bytes"])
+    if isinstance(value, dict) and value.get("array") is not None:
+        return (np.asarray(value["array"]), int(value["sampling_rate"]))
+    path = value.get("path") if isinstance(value, dict) else value
+    if not path:
+        return AudioError(where, "row has no audio (neither bytes nor a path)", "bad_row")
+    return str(path)
+
+
+def open_track(spec: SourceSpec, ref: TrackRef) -> AudioReader:
+    """Open a track for block reading. Raises AudioError."""
+    payload = ref.payload
+    if isinstance(payload, int) and spec.kind == "hf_dataset":
+        ds = _hf_on_disk(spec)
+        payload = _row_payload(ds[payload][spec.audio_column], ref.where)
+        if isinstance(payload, str):  # a relative path: the working directory, else the dataset folder
+            p = Path(payload)
+            if not p.is_absolute() and not p.exists() and (Path(spec.path) / p).exists():
+                payload = str(Path(spec.path) / p)
+    if isinstance(payload, AudioError):
+        raise payload
+    if isinstance(payload, bytes):
+        return open_audio(payload, ref.where)
+    if isinstance(payload, tuple):
+        return array_reader(payload[0], payload[1], ref.where)
+    if isinstance(payload, str):
+        return open_audio(payload)
+    raise AudioError(ref.where, f"no audio for this track ({type(payload).__name__})", "bad_row")
