@@ -45,7 +45,14 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class DataConfig:
-    path: str = "work/default_corpus_tokens"  # tokenized dataset (musiclm-stab tokenize ...)
+    # Tokenized dataset (musiclm-stab tokenize ...), or a list of them, e.g. the shards of --shard i/n:
+    # YAML list or --data.path=[a,b].
+    path: str | list[str] = "work/default_corpus_tokens"
+    # Read it as a stream (datasets.IterableDataset): one pass per epoch, each process taking its own
+    # examples of every global batch (data.StreamingCrops), shuffled within a buffer of this many rows
+    # (0: in file order, the order of the saved dataset's rows).
+    streaming: bool = False
+    shuffle_buffer: int = 100
     crop_seconds: float = 5.0  # random crop per example, aligned to 320-sample frames
     eval_fraction: float = 0.1  # share of *tracks* held out for evaluation (by a hash of the track id)
     batch_size: int = 4  # per process, per micro-step
@@ -57,6 +64,11 @@ class DataConfig:
     mixup_gain_db: tuple[float, float] = (-10.0, 0.0)  # added segment level relative to the clip's RMS
 
     def validate(self) -> None:
+        paths = self.path if isinstance(self.path, list) else [self.path]
+        if not paths or not all(isinstance(p, str) and p for p in paths):
+            raise ConfigError(f"data.path must be a folder or a non-empty list of folders, got {self.path!r}")
+        if self.shuffle_buffer < 0:
+            raise ConfigError(f"data.shuffle_buffer must be >= 0 (0 = stream order), got {self.shuffle_buffer}")
         if self.crop_seconds <= 0:
             raise ConfigError(f"data.crop_seconds must be > 0, got {self.crop_seconds}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -184,7 +196,8 @@ class TrainConfig:
     grad_accum: int = 1
     log_every: int = 1
     checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
+    keep_every: int = 0  # ... and every one at a multiple of this step, never pruned (0 = off)
     # Diagnostics: per-layer max attention logit and gradient norm every N steps (0 = off).
     diagnostics_every: int = 0
     # Loss-spike guard (off by default): roll back to the newest checkpoint and skip the offending batches.
@@ -209,6 +222,8 @@ class TrainConfig:
         if self.diagnostics_every < 0 or (self.diagnostics_every and self.diagnostics_every % self.log_every):
             raise ConfigError(f"train.diagnostics_every={self.diagnostics_every} must be 0 (off) or a multiple "
                               f"of train.log_every={self.log_every}")
+        if self.keep_every < 0:
+            raise ConfigError(f"train.keep_every must be >= 0 (0 = off), got {self.keep_every}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ConfigError(f"train.stop_at must be >= 1, got {self.stop_at}")
 
@@ -253,7 +268,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
+        lists = [a for a in inner if typing.get_origin(a) is list]
+        if lists and (isinstance(value, (list, tuple)) or (isinstance(value, str) and value.strip().startswith("["))):
+            return _coerce(key, value, lists[0])
         return _coerce(key, value, inner[0])
+    if origin is list:  # YAML list, or "[a, b]" on the command line
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(f"{key} must be a non-empty list, got {value!r}")
+        return [_coerce(key, v, args[0]) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
@@ -324,8 +348,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg.validate()
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_config(cfg: Config, path: str | Path, comment: str = "") -> None:
+    """Write the resolved config as YAML, after ``comment`` (as # lines, which loading ignores)."""
+    header = "".join(f"# {line}\n" for line in comment.splitlines())
+    Path(path).write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def config_from_run(run_dir: str | Path) -> Config:

@@ -2,6 +2,10 @@
 
 Everything random here is seeded from (seed, epoch, dataset indices), so a batch is the same whatever the
 number of loader workers, and a resumed run sees exactly the data an uninterrupted run would have seen.
+
+Two readers: ``CropDataset`` indexes a saved (memory-mapped) dataset and is split across processes by
+accelerate's sampler; ``StreamingCrops`` reads a ``datasets.IterableDataset`` in one pass per epoch and
+does the split across processes itself (see its docstring for the rule and what it guarantees).
 """
 
 from __future__ import annotations
@@ -10,21 +14,21 @@ import hashlib
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.config import DataConfig, ModelConfig
 from musiclm_stab.masking import span_mask
 
 
-def _track_key(track: str) -> int:
-    return int.from_bytes(hashlib.sha1(track.encode()).digest()[:8], "big")
+def _str_key(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big")
 
 
 def eval_tracks(tracks: list[str], fraction: float) -> set[str]:
     """The held-out tracks: the ``fraction`` of tracks (at least one, if there are two or more and
     fraction > 0) with the smallest hash of their id. Stable across runs and machines."""
-    unique = sorted(set(tracks), key=_track_key)
+    unique = sorted(set(tracks), key=_str_key)
     if fraction <= 0 or len(unique) < 2:
         return set()
     n = min(len(unique) - 1, max(1, round(fraction * len(unique))))
@@ -69,15 +73,21 @@ class CropDataset(Dataset):
         codes = row["codes"]
         if codes.dtype == object:  # ragged storage comes back as an array of arrays
             codes = np.stack(codes)
-        T = codes.shape[-1]
-        if self.random_crop:
-            start = int(_rng(self.seed, self.epoch, self.indices[i]).integers(0, T - self.crop_frames + 1))
-        else:
-            start = (T - self.crop_frames) // 2
-        end = start + self.crop_frames
-        pcm = np.asarray(row["pcm"][start * HOP_LENGTH:end * HOP_LENGTH], dtype=np.float32)
-        return {"index": self.indices[i], "pcm": torch.from_numpy(pcm),
-                "codes": torch.from_numpy(codes[:, start:end].astype(np.int64))}
+        seed = (self.seed, self.epoch) if self.random_crop else None
+        return crop_item(self.indices[i], row["pcm"], codes, self.crop_frames, seed)
+
+
+def crop_item(index: int, pcm: np.ndarray, codes: np.ndarray, crop_frames: int, seed: tuple[int, int] | None) -> dict:
+    """The item of a segment: a crop of ``crop_frames`` frames, at a random start drawn from
+    (seed, epoch, index) when ``seed`` = (seed, epoch) is given, else the centre one."""
+    T = codes.shape[-1]
+    if seed is not None:
+        start = int(_rng(*seed, index).integers(0, T - crop_frames + 1))
+    else:
+        start = (T - crop_frames) // 2
+    end = start + crop_frames
+    pcm = np.array(pcm[start * HOP_LENGTH:end * HOP_LENGTH], dtype=np.float32)  # a copy: arrow buffers are read-only
+    return {"index": index, "pcm": torch.from_numpy(pcm), "codes": torch.from_numpy(codes[:, start:end].astype(np.int64))}
 
 
 class EpochSampler(Sampler[int]):
@@ -96,6 +106,80 @@ class EpochSampler(Sampler[int]):
         if not self.shuffle:
             return iter(range(self.n))
         return iter(_rng(self.seed, self.epoch, 0x5A5A).permutation(self.n).tolist())
+
+
+class StreamingCrops(IterableDataset):
+    """Random crops from a streamed tokenized dataset; yields this process's micro-batches (lists of items,
+    as CropDataset makes them) of one epoch. Use with ``DataLoader(batch_size=None, collate_fn=Collator)``.
+
+    The rule: an epoch is one pass over the stream (in file order, or through a seeded shuffle buffer of
+    ``shuffle_buffer`` rows, 0 = no shuffle). Its training examples (rows of held-out tracks and rows
+    shorter than the crop left out) are numbered k = 0, 1, ...; each run of ``batch_size * world_size``
+    consecutive examples is one global batch, of which process ``rank`` takes the ``rank``-th
+    ``batch_size`` examples; a last, incomplete global batch is dropped. So the processes read disjoint
+    examples, together all of the epoch's but that remainder, and a global batch holds the same examples
+    at any world size. Every process scans the whole stream in the same order and decodes only its own
+    rows. Loader workers take every ``num_workers``-th micro-batch, so the order does not depend on them.
+
+    The held-out tracks are those of ``split_indices`` on the same rows, found by a scan of the ``track``
+    and ``num_frames`` columns at construction, which also counts the micro-batches of an epoch
+    (``len``). Crops are seeded by (seed, epoch, example), the example being a hash of its ``id``: the
+    same at any world size. ``skip`` micro-batches at the start of the epoch are passed over without
+    decoding (exact resume).
+    """
+
+    def __init__(self, stream, eval_fraction: float, crop_seconds: float, batch_size: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0):
+        self.crop_frames = int(round(crop_seconds * FRAME_RATE))
+        self.stream = stream.with_format("arrow")
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle_buffer, self.epoch, self.skip = seed, shuffle_buffer, 0, 0
+        tracks, frames = [], []
+        for table in self.stream.select_columns(["track", "num_frames"]).iter(batch_size=1024):
+            tracks += table.column("track").to_pylist()
+            frames += table.column("num_frames").to_pylist()
+        self.held_out = eval_tracks(tracks, eval_fraction)
+        train = [n for t, n in zip(tracks, frames) if t not in self.held_out]
+        self.num_examples = sum(n >= self.crop_frames for n in train)
+        self.num_skipped = len(train) - self.num_examples
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_examples // (self.batch_size * self.world_size)
+
+    def __iter__(self):
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        stream = self.stream
+        if self.shuffle_buffer:
+            stream = stream.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
+            stream.set_epoch(self.epoch)
+        per_global, num_batches, k, mine = self.batch_size * self.world_size, len(self), 0, []
+        for table in stream.iter(batch_size=64):
+            tracks, frames = table.column("track").to_pylist(), table.column("num_frames").to_pylist()
+            for row, (track, n) in enumerate(zip(tracks, frames)):
+                if track in self.held_out or n < self.crop_frames:
+                    continue
+                batch, pos = divmod(k, per_global)
+                k += 1
+                if batch >= num_batches:
+                    return
+                if (pos // self.batch_size != self.rank or batch < self.skip
+                        or batch % num_workers != worker_id):
+                    continue
+                mine.append(self._item(table, row))
+                if len(mine) == self.batch_size:
+                    yield mine
+                    mine = []
+
+    def _item(self, table, row: int) -> dict:
+        pcm = table.column("pcm")[row].values.to_numpy(zero_copy_only=False)
+        rows = table.column("codes")[row].values  # K lists of T codes
+        codes = rows.flatten().to_numpy(zero_copy_only=False).reshape(len(rows), -1)
+        index = _str_key(table.column("id")[row].as_py())
+        return crop_item(index, pcm, codes, self.crop_frames, (self.seed, self.epoch))
 
 
 class Collator:

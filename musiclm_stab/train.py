@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, send_to_device, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from musiclm_stab import checkpoint
 from musiclm_stab.config import Config, ConfigError, load_config, save_config
-from musiclm_stab.data import Collator, CropDataset, EpochSampler, split_indices
+from musiclm_stab.data import Collator, CropDataset, EpochSampler, StreamingCrops, split_indices
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.stability import GradClipper, SpikeGuard, layer_diagnostics, record_attention_logits
 
@@ -54,26 +54,44 @@ def metric_names(num_codebooks: int) -> list[str]:
 
 
 def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
-    from musiclm_stab.tokenize import load_tokenized
+    """The training loader and the objects that take ``set_epoch``. ``data.path`` is one tokenized folder or
+    several (shards are read in the order a single run wrote them). Saved data: a DataLoader that
+    ``accelerator.prepare`` splits across processes. ``data.streaming``: a DataLoader over StreamingCrops,
+    which does the split itself (this process's examples only), so it is not prepared."""
+    from musiclm_stab.tokenize import TokenizerMismatch, load_tokenized
 
-    hf, info = load_tokenized(cfg.data.path)
+    dcfg = cfg.data
+    try:
+        hf, info = load_tokenized(dcfg.path, streaming=dcfg.streaming)
+    except TokenizerMismatch:
+        raise
+    except (FileNotFoundError, ValueError) as e:  # missing, unfinished or not a tokenized dataset
+        raise ConfigError(f"data.path: {e}") from e
     tokenizer_info_out.update(info)
-    train_idx, _ = split_indices(hf["track"], cfg.data.eval_fraction)
-    dataset = CropDataset(hf, train_idx, cfg.data.crop_seconds, seed=cfg.train.seed, random_crop=True)
+    collator = Collator(dcfg, cfg.model.resolved(), seed=cfg.train.seed)
+    if dcfg.streaming:
+        dataset = StreamingCrops(hf, dcfg.eval_fraction, dcfg.crop_seconds, dcfg.batch_size, seed=cfg.train.seed,
+                                 rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                 shuffle_buffer=dcfg.shuffle_buffer)
+        count = dataset.num_examples
+    else:
+        train_idx, _ = split_indices(hf["track"], dcfg.eval_fraction)
+        dataset = CropDataset(hf, train_idx, dcfg.crop_seconds, seed=cfg.train.seed, random_crop=True)
+        count = len(dataset)
     if dataset.num_skipped:
-        accelerator.print(f"note: {dataset.num_skipped} segments shorter than the {cfg.data.crop_seconds} s crop are not used")
-    needed = cfg.data.batch_size * accelerator.num_processes
-    if len(dataset) < needed:
-        raise ConfigError(f"data.path={cfg.data.path}: {len(dataset)} training crops, fewer than one global batch "
+        accelerator.print(f"note: {dataset.num_skipped} segments shorter than the {dcfg.crop_seconds} s crop are not used")
+    needed = dcfg.batch_size * accelerator.num_processes
+    if count < needed:
+        raise ConfigError(f"data.path={dcfg.path}: {count} training crops, fewer than one global batch "
                           f"({needed}); lower data.batch_size or data.eval_fraction, or tokenize more audio")
+    # Its own generator: starting an epoch's iterator must not draw from the global RNG (dropout's), or a
+    # resumed run would diverge from an uninterrupted one.
+    common = dict(collate_fn=collator, num_workers=dcfg.num_workers, pin_memory=torch.cuda.is_available(),
+                  generator=torch.Generator().manual_seed(cfg.train.seed))
+    if dcfg.streaming:
+        return DataLoader(dataset, batch_size=None, **common), (dataset, collator)
     sampler = EpochSampler(len(dataset), seed=cfg.train.seed)
-    collator = Collator(cfg.data, cfg.model.resolved(), seed=cfg.train.seed)
-    loader = DataLoader(dataset, batch_size=cfg.data.batch_size, sampler=sampler, collate_fn=collator,
-                        drop_last=True, num_workers=cfg.data.num_workers,
-                        pin_memory=torch.cuda.is_available(),
-                        # Its own generator: starting an epoch's iterator must not draw from the global RNG
-                        # (dropout's), or a resumed run would diverge from an uninterrupted one.
-                        generator=torch.Generator().manual_seed(cfg.train.seed))
+    loader = DataLoader(dataset, batch_size=dcfg.batch_size, sampler=sampler, drop_last=True, **common)
     return loader, (dataset, sampler, collator)
 
 
@@ -81,11 +99,16 @@ def micro_batches(loader, epoch_objects, accelerator: Accelerator, consumed: int
     """Endless stream of micro-batches that starts after ``consumed`` ones (exact resume)."""
     per_epoch = len(loader)
     epoch, skip = divmod(consumed, per_epoch)
+    streaming = isinstance(loader.dataset, StreamingCrops)
     while True:
         for obj in epoch_objects:
             obj.set_epoch(epoch)
-        loader.set_epoch(epoch)
-        it = accelerator.skip_first_batches(loader, skip) if skip else loader
+        if streaming:  # a plain DataLoader (not prepared): skip without decoding, place on the device here
+            loader.dataset.skip = skip
+            it = (send_to_device(batch, accelerator.device) for batch in loader)
+        else:
+            loader.set_epoch(epoch)
+            it = accelerator.skip_first_batches(loader, skip) if skip else loader
         yield from it
         epoch, skip = epoch + 1, 0
 
@@ -124,12 +147,20 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
                                  f"data {cfg.data.path}")
 
 
-def write_run_dir(cfg: Config, tokenizer_info: dict) -> Path:
+def global_batch(cfg: Config, num_processes: int) -> str:
+    """One line stating the global batch (one optimizer update) in crops and audio-seconds."""
+    crops = cfg.data.batch_size * cfg.train.grad_accum * num_processes
+    return (f"global batch {crops} crops = {crops * cfg.data.crop_seconds:g} audio-s per update "
+            f"(data.batch_size {cfg.data.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
+            f"{num_processes} process(es) x data.crop_seconds {cfg.data.crop_seconds:g})")
+
+
+def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1) -> Path:
     run_dir = cfg.run_dir
     saved_cfg = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
-    save_config(cfg, saved_cfg)
+    save_config(cfg, saved_cfg, comment=f"launched with {global_batch(cfg, num_processes)}")
     (run_dir / "tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2))
     return run_dir
 
@@ -160,7 +191,7 @@ class Trainer:
         check_run_dir(cfg, resume, tokenizer_info)
         self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
         if accelerator.is_main_process:
-            write_run_dir(cfg, tokenizer_info)
+            write_run_dir(cfg, tokenizer_info, accelerator.num_processes)
         accelerator.wait_for_everyone()
         self.run_dir = cfg.run_dir
 
@@ -168,14 +199,22 @@ class Trainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
                                       weight_decay=ocfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
-        self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
-            model, optimizer, loader, scheduler)
+        if cfg.data.streaming:  # StreamingCrops splits the data across processes itself
+            self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+            self.loader = loader
+        else:
+            self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
+                model, optimizer, loader, scheduler)
         self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
         accelerator.register_for_checkpointing(self.clipper, self.guard)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         self.injected: set[str] = set()  # fault injection fires once, even if a rollback replays the step
         if resume:
+            if accelerator.is_main_process:
+                for partial in checkpoint.remove_partial(self.run_dir):
+                    print(f"removed {partial}: a checkpoint write interrupted by a crash (incomplete, never loaded)")
+            accelerator.wait_for_everyone()
             ckpt = checkpoint.newest_valid(self.run_dir)
             if ckpt is not None:
                 self.step = self.load_checkpoint(ckpt)
@@ -313,8 +352,9 @@ class Trainer:
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
                   f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, precision={tcfg.mixed_precision}, "
-                  f"{acc.num_processes} process(es), global batch {self.global_batch_s:.0f} audio-s, "
-                  f"{len(self.loader)} micro-batches per epoch per process")
+                  f"{acc.num_processes} process(es), {global_batch(cfg, acc.num_processes)}, "
+                  f"{len(self.loader)} micro-batches per epoch per process"
+                  + (f" (streamed, shuffle buffer {cfg.data.shuffle_buffer} rows)" if cfg.data.streaming else ""))
         last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
         bar = tqdm(total=last_step, initial=self.step, desc="train", disable=not acc.is_main_process,
                    dynamic_ncols=True)
@@ -366,7 +406,8 @@ class Trainer:
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
                  "config": self.cfg.to_dict(),
                  "tokenizer_sha256": self.tokenizer_sha256}
-        return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
+        return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints,
+                               self.cfg.train.keep_every)
 
     def metrics_row(self, sums: torch.Tensor, interval: dict, diag: dict) -> dict:
         """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
@@ -461,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TokenizerMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointWriteError as e:  # e.g. disk full: stop, the previous checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Crash safety: SIGTERM checkpoints and exits cleanly, SIGKILL + --resume matches an uninterrupted run,
-a damaged checkpoint is named and skipped."""
+"""Crash safety: SIGTERM checkpoints and exits cleanly, SIGKILL (between steps or during a checkpoint
+write) + --resume matches an uninterrupted run, a damaged checkpoint is named and skipped, a full disk
+leaves the previous checkpoint intact, keep-last-N / keep-every-M pruning."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -12,18 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from musiclm_stab import checkpoint
+from musiclm_stab import checkpoint, train
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def start(data: Path, out: Path, name: str, *extra: str) -> subprocess.Popen:
+def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "recipes" / "pretrain.py"), "--config", str(REPO / "recipes" / "tiny.yaml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}", "--data.crop_seconds=2.0",
            "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=2",
            "--train.checkpoint_every=2", "--train.keep_checkpoints=10", *extra]
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -47,6 +50,41 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     raise AssertionError(f"run never reached step {step} (exit {proc.poll()})")
 
 
+def wait_for_file(proc: subprocess.Popen, path: Path) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared (exit {proc.poll()})")
+
+
+def kill(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def pause_at(step: int, phase: str, marker: Path) -> dict:
+    """Environment that makes the write of checkpoint ``step`` stop at ``phase`` and create ``marker``."""
+    return {checkpoint.TEST_PAUSE_ENV: f"{step},{phase},{marker}"}
+
+
+def final_rows(run_dir: Path) -> dict[int, dict]:
+    final = {}
+    for r in rows(run_dir):  # a resumed run repeats the steps after its checkpoint: last row wins
+        final[r["step"]] = r
+    return final
+
+
+def assert_same_metrics(final: dict[int, dict], reference: list[dict]) -> None:
+    assert sorted(final) == [r["step"] for r in reference]
+    for ref in reference:
+        got = final[ref["step"]]
+        for m in ("loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss/cb0", "lr"):
+            assert got[m] == ref[m], (ref["step"], m, got[m], ref[m])  # bit for bit on CPU
+
+
 @pytest.fixture(scope="module")
 def reference(tokenized_dataset, tmp_path_factory):
     """An uninterrupted 6-step run."""
@@ -63,14 +101,38 @@ def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, 
     proc.wait()
     assert [checkpoint.checkpoint_step(c) for c in checkpoint.list_checkpoints(tmp_path / "k")][-1] >= 2
     finish(start(tokenized_dataset, tmp_path, "k", "--train.max_steps=6", "--resume"))
-    final = {}
-    for r in rows(tmp_path / "k"):  # a resumed run repeats the steps after its checkpoint: last row wins
-        final[r["step"]] = r
-    assert sorted(final) == [1, 2, 3, 4, 5, 6]
-    for ref in reference:
-        got = final[ref["step"]]
-        for m in ("loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss/cb0", "lr"):
-            assert got[m] == ref[m], (ref["step"], m, got[m], ref[m])  # bit for bit on CPU
+    assert_same_metrics(final_rows(tmp_path / "k"), reference)
+
+
+def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset, tmp_path, reference):
+    """SIGKILL in the middle of a checkpoint write, twice: once when checkpoint 4 is complete but not yet
+    renamed, once (in the resumed run) when checkpoint 6's accelerate state is written but has no manifest.
+    Each resume removes the partial write with a message, starts from the previous complete checkpoint,
+    and the final metrics equal an uninterrupted run's bit for bit."""
+    run_dir, ckpts = tmp_path / "w", tmp_path / "w" / "checkpoints"
+    marker = tmp_path / "paused"
+    proc = start(tokenized_dataset, tmp_path, "w", "--train.max_steps=6",
+                 env=pause_at(4, "rename", marker))
+    wait_for_file(proc, marker)
+    kill(proc)
+    assert (ckpts / ".tmp-step_00000004" / checkpoint.STATE_FILE).is_file()  # complete, never moved in
+    assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002"]
+
+    marker.unlink()
+    proc = start(tokenized_dataset, tmp_path, "w", "--train.max_steps=6", "--resume",
+                 env=pause_at(6, "files", marker))
+    wait_for_file(proc, marker)
+    out = kill(proc)
+    assert f"removed {ckpts / '.tmp-step_00000004'}" in out and "step_00000002 at step 2" in out, out[-3000:]
+    partial = ckpts / ".tmp-step_00000006"
+    assert (partial / "model.safetensors").is_file() and not (partial / checkpoint.STATE_FILE).exists()
+    assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
+
+    out = finish(start(tokenized_dataset, tmp_path, "w", "--train.max_steps=6", "--resume"))
+    assert f"removed {partial}" in out and "step_00000004 at step 4" in out, out[-3000:]
+    assert [c.name for c in checkpoint.list_checkpoints(run_dir)][-1] == "step_00000006"
+    assert not list(ckpts.glob(".tmp-*"))
+    assert_same_metrics(final_rows(run_dir), reference)
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tokenized_dataset, tmp_path):
@@ -99,3 +161,53 @@ def test_damaged_checkpoint_is_skipped(tokenized_dataset, tmp_path):
     assert ckpt.name == "step_00000002"
     (run_dir / "checkpoints" / ".tmp-step_00000006").mkdir()  # a write interrupted by a crash
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
+
+
+@pytest.fixture
+def accelerator():
+    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 8)
+    acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    yield acc
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_disk_full_keeps_previous_checkpoint(accelerator, tmp_path, monkeypatch, capsys):
+    """ENOSPC in the middle of a checkpoint write: the partial write is removed, the previous checkpoint
+    is intact, and the error names the directory, the free space and that checkpoint; the entry point
+    prints it and exits 1."""
+    import accelerate.checkpointing
+
+    checkpoint.save(accelerator, tmp_path, 2, {}, keep=2)
+
+    def disk_full(obj, f, *args, **kwargs):  # the optimizer file is cut short by a full disk
+        Path(f).write_bytes(b"\0" * 16)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", disk_full)
+    with pytest.raises(checkpoint.CheckpointWriteError) as e:
+        checkpoint.save(accelerator, tmp_path, 4, {}, keep=2)
+    message = str(e.value)
+    for part in (f"step_00000004 in {tmp_path / 'checkpoints'}", "GiB free", "No space left on device",
+                 "previous checkpoint step_00000002 is intact", "--resume"):
+        assert part in message, message
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert [c.name for c in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002"]
+    assert checkpoint.verify(checkpoint.list_checkpoints(tmp_path)[0]) is None
+
+    monkeypatch.setattr(train, "train", lambda cfg, resume: checkpoint.save(accelerator, tmp_path, 4, {}, 2))
+    assert train.main([]) == 1
+    assert f"error: could not write checkpoint step_00000004 in {tmp_path / 'checkpoints'}" in capsys.readouterr().err
+
+
+def test_keep_last_and_every(accelerator, tmp_path):
+    """keep_checkpoints=2 with keep_every=3: the newest two and every multiple of 3 survive pruning."""
+    assert checkpoint.to_prune([1, 2, 3, 4, 5, 6, 7], keep=2) == [1, 2, 3, 4, 5]
+    assert checkpoint.to_prune([1, 2, 3, 4, 5, 6, 7], keep=2, keep_every=3) == [1, 2, 4, 5]
+    for step in range(1, 8):
+        checkpoint.save(accelerator, tmp_path, step, {}, keep=2, keep_every=3)
+    assert [checkpoint.checkpoint_step(c) for c in checkpoint.list_checkpoints(tmp_path)] == [3, 6, 7]

@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from musiclm_stab.config import DataConfig, ModelConfig
-from musiclm_stab.data import Collator, CropDataset, EpochSampler, eval_tracks, noise_mixup, split_indices
+from musiclm_stab.data import (
+    Collator,
+    CropDataset,
+    EpochSampler,
+    StreamingCrops,
+    _str_key,
+    eval_tracks,
+    noise_mixup,
+    split_indices,
+)
 from musiclm_stab.tokenize import load_tokenized
 
 
@@ -98,3 +107,46 @@ def test_collator_batches_are_seeded(hf):
     assert not torch.equal(a["wav"], a["clean_wav"])
     col.set_epoch(1)
     assert not torch.equal(col(items)["mask"], a["mask"])
+
+
+def _epoch(ds, epoch: int = 0, skip: int = 0, workers: int = 0) -> list[list[dict]]:
+    ds.set_epoch(epoch)
+    ds.skip = skip
+    return list(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=list, num_workers=workers))
+
+
+def test_streaming_processes_read_disjoint_examples_covering_the_epoch(tokenized_dataset, hf):
+    """On a stream, 2 processes (rank given explicitly) read disjoint examples that together are the epoch's
+    training examples (held-out tracks and too-short rows left out, the split of split_indices); each
+    global batch holds the examples of 1 process's batch, with the same crops; an epoch is reproducible,
+    the next one shuffled differently; skip resumes mid-epoch; loader workers change nothing."""
+    stream, _ = load_tokenized(tokenized_dataset, streaming=True)
+    train_idx, _ = split_indices(hf["track"], 0.3)
+    expected = {_str_key(hf[i]["id"]) for i in train_idx}  # 2 tracks x (10 s + 2 s), all >= the 2 s crop
+    kw = dict(eval_fraction=0.3, crop_seconds=2.0, seed=4, shuffle_buffer=3)
+    one = StreamingCrops(stream, batch_size=2, **kw)
+    ranks = [StreamingCrops(stream, batch_size=1, rank=r, world_size=2, **kw) for r in range(2)]
+    assert len(one) == len(ranks[0]) == len(ranks[1]) == 2 and one.num_examples == 4
+
+    whole = _epoch(one)
+    parts = [_epoch(d) for d in ranks]
+    seen = [[it["index"] for b in p for it in b] for p in parts]
+    assert set(seen[0]).isdisjoint(seen[1]) and set(seen[0]) | set(seen[1]) == expected
+    for g, batch in enumerate(whole):  # global batch g = rank 0's g-th micro-batch + rank 1's
+        split = parts[0][g] + parts[1][g]
+        assert [it["index"] for it in batch] == [it["index"] for it in split]
+        assert all(torch.equal(a["pcm"], b["pcm"]) and torch.equal(a["codes"], b["codes"]) for a, b in zip(batch, split))
+
+    again = _epoch(ranks[0])
+    assert all(torch.equal(a["pcm"], b["pcm"]) for x, y in zip(parts[0], again) for a, b in zip(x, y))
+    order = [it["index"] for b in whole for it in b]
+    later = [it["index"] for b in _epoch(one, epoch=1) for it in b]
+    assert sorted(later) == sorted(order) and later != order
+    tail = _epoch(ranks[1], skip=1)
+    assert len(tail) == 1 and torch.equal(tail[0][0]["pcm"], parts[1][1][0]["pcm"])
+    by_workers = _epoch(one, workers=2)
+    assert [[it["index"] for it in b] for b in by_workers] == [[it["index"] for it in b] for b in whole]
+
+    # 6 examples, global batches of 2 x 2: one batch, the remainder dropped on both processes alike
+    ranks = [StreamingCrops(stream, 0.0, 2.0, batch_size=2, rank=r, world_size=2) for r in range(2)]
+    assert [len(d) for d in ranks] == [1, 1] and [len(_epoch(d)) for d in ranks] == [1, 1]
