@@ -26,8 +26,17 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format musiclm_stab tests recipes data benchmarks
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_cqt.py
+TOKENS := work/default_corpus_tokens/tokenizer.json
+$(TOKENS): $(STAMP)
+	$(VENV)/bin/musiclm-stab quickstart --data-only
+
+# The CPU benchmarks, short settings (results and the longer commands: benchmarks/README.md).
+bench: $(STAMP) $(TOKENS)
+	$(PY) benchmarks/bench_train_step.py --size base --schemes pre --repeats 2 --variants ours before peer
+	$(PY) benchmarks/bench_input.py --data work/default_corpus_tokens --size tiny --steps 20 --rounds 2
+	$(PY) benchmarks/bench_processes.py --data work/default_corpus_tokens --steps 20 --warmup 5 --repeats 1
+	$(PY) benchmarks/bench_cqt.py --seconds 30 --repeats 5
+	$(PY) benchmarks/bench_tokenize.py throughput --work work/bench_tokenize --weights work/encodec_local_seed0.pt --tracks 4 --repeats 1
 
 clean:
 	rm -rf work runs

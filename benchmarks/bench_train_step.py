@@ -6,12 +6,13 @@ is the backbone. One step = forward + backward + AdamW step. Runs alternate (our
 load from other jobs hits both alike. Also reports our step's FLOP/s against the machine's dense matmul
 rate measured in the same run.
 
-    python benchmarks/bench_train_step.py --size base --dtypes fp32 bf16 --schemes pre post --repeats 3
+    python benchmarks/bench_train_step.py --size base --dtypes fp32 bf16 --schemes pre post --repeats 3\n    python benchmarks/bench_train_step.py --variants ours before peer   # the speed work, before/after
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from musiclm_stab.config import ModelConfig
 from musiclm_stab.losses import acoustic_losses, musical_loss
 from musiclm_stab.masking import span_mask
-from musiclm_stab.model import MusicMLM
+from musiclm_stab.model import MusicMLM, attention
 from musiclm_stab.model.frontend import PAD
 
 
@@ -53,9 +54,9 @@ class PeerMLM(torch.nn.Module):
         return ce_sum + self.cfg.musical_weight * musical_loss(self.musical(h), cqt[mask])
 
 
-def step_fn(model, opt, batch, dtype):
+def step_fn(model, opt, batch, dtype, context=contextlib.nullcontext):
     def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with context(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             out = model(*batch)
         loss = out.loss if hasattr(out, "loss") else out
         loss.backward()
@@ -74,6 +75,16 @@ def matmul_rate(dtype: str, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t)
 
 
+@contextlib.contextmanager
+def torch_dropout():
+    """Our model as it was before the CPU dropout change: torch's bernoulli_ dropout and SDPA dropout."""
+    attention.CPU_FAST_DROPOUT = False
+    try:
+        yield
+    finally:
+        attention.CPU_FAST_DROPOUT = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="base", choices=["tiny", "base", "large"])
@@ -82,38 +93,66 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=["ours", "peer"],
+                   choices=["ours", "peer", "before", "compiled", "ckpt"],
+                   help="ours: as trained (fused AdamW, CPU fast dropout); peer: HubertModel backbone with our "
+                   "heads, fused AdamW; before: ours with foreach AdamW and torch's dropout (the code before the "
+                   "speed work); compiled: ours with train.compile; ckpt: ours with activation checkpointing")
     args = p.parse_args()
     torch.manual_seed(0)
     T = int(args.seconds * 75)
     wav = torch.randn(args.batch, 320 * T) * 0.1
     batch = (wav, wav, torch.randint(0, 1024, (args.batch, 8, T)), span_mask(args.batch, T, 0.8, 5))
     audio_s = args.batch * args.seconds
-    print(f"size={args.size} batch={args.batch} x {args.seconds} s, threads={torch.get_num_threads()}")
-    print("| scheme | dtype | ours s/step | peer s/step | ours audio-s/s | peer audio-s/s | ours/peer | "
-          "ours GFLOP/step | ours GFLOP/s | matmul GFLOP/s | ours / matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    names = args.variants
+    print(f"size={args.size} batch={args.batch} x {args.seconds} s, threads={torch.get_num_threads()}, "
+          f"best of {args.repeats} steps after a warm-up, variants alternating")
+    print("| scheme | dtype | " + " | ".join(f"{n} s/step" for n in names) + " | " +
+          " | ".join(f"{n} audio-s/s" for n in names if n != "peer") +
+          (" | " + " | ".join(f"{n}/peer" for n in names if n != "peer") if "peer" in names else "") +
+          " | GFLOP/step | ours GFLOP/s | matmul GFLOP/s | ours / matmul |")
+    print("|---" * (2 + len(names) + sum(n != "peer" for n in names) * (1 + ("peer" in names)) + 4) + "|")
     for scheme in args.schemes:
         cfg = ModelConfig(size=args.size, norm_scheme=scheme).resolved()
         ours = MusicMLM(cfg).train()
-        peer = PeerMLM(cfg, MusicMLM(cfg)).train()
+        models = {}
+        for n in names:
+            if n == "ours":
+                models[n] = ours
+            elif n == "peer":
+                models[n] = PeerMLM(cfg, MusicMLM(cfg)).train()
+            else:
+                m = MusicMLM(cfg).train()
+                m.load_state_dict(ours.state_dict())
+                if n == "compiled":
+                    m.frontend.compile()
+                    m.encoder.compile()
+                m.encoder.checkpoint_layers = n == "ckpt"
+                models[n] = m
         for dtype in args.dtypes:
-            fns = {name: step_fn(m, torch.optim.AdamW(m.parameters(), lr=1e-4), batch, dtype)
-                   for name, m in (("ours", ours), ("peer", peer))}
+            fns = {}
+            for n, m in models.items():
+                opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=n != "before", foreach=n == "before")
+                fns[n] = step_fn(m, opt, batch, dtype, torch_dropout if n == "before" else contextlib.nullcontext)
             for fn in fns.values():
-                fn()  # warm-up
-            times = {"ours": [], "peer": []}
+                fn()  # warm-up (and compilation)
+            times = {n: [] for n in names}
             for _ in range(args.repeats):
-                for name, fn in fns.items():
+                for n, fn in fns.items():
                     t = time.perf_counter()
                     fn()
-                    times[name].append(time.perf_counter() - t)
+                    times[n].append(time.perf_counter() - t)
             with FlopCounterMode(display=False) as fc:
-                fns["ours"]()
+                fns["ours" if "ours" in fns else names[0]]()
             flops = fc.get_total_flops()
             rate = matmul_rate(dtype)
-            o, q = min(times["ours"]), min(times["peer"])
-            print(f"| {scheme} | {dtype} | {o:.2f} | {q:.2f} | {audio_s / o:.2f} | {audio_s / q:.2f} | {q / o:.2f}x | "
-                  f"{flops / 1e9:.0f} | {flops / o / 1e9:.0f} | {rate / 1e9:.0f} | {flops / o / rate:.0%} |", flush=True)
+            best = {n: min(v) for n, v in times.items()}
+            o = best.get("ours", best[names[0]])
+            cells = [f"{best[n]:.2f}" for n in names] + [f"{audio_s / best[n]:.2f}" for n in names if n != "peer"]
+            if "peer" in names:
+                cells += [f"{best['peer'] / best[n]:.2f}x" for n in names if n != "peer"]
+            cells += [f"{flops / 1e9:.0f}", f"{flops / o / 1e9:.0f}", f"{rate / 1e9:.0f}", f"{flops / o / rate:.0%}"]
+            print(f"| {scheme} | {dtype} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ class OptimConfig:
     eps: float = 1e-6
     weight_decay: float = 0.01
     warmup_steps: int = 10
+    fused: bool = True  # torch's fused AdamW kernel (CPU and CUDA): ~5x faster optimizer step than foreach on CPU
     # Gradient clipping (see stability.GradClipper): `fixed` clips at clip_grad; the adaptive rules
     # `zclip` and `autoclip` use clip_grad until clip_warmup finite norms have been seen.
     clip_mode: str = "fixed"
@@ -194,6 +195,11 @@ class TrainConfig:
     stop_at: int | None = None  # stop early at this step (with a checkpoint), schedule unchanged; --resume goes on
     mixed_precision: str = "no"
     grad_accum: int = 1
+    # Speed and memory (results unchanged up to float rounding): torch.compile of the frontend and the
+    # encoder, in place (state-dict names unchanged; the first step compiles, ~20 s for tiny on CPU), and
+    # recomputing each encoder layer in the backward pass (less activation memory, ~1/3 more compute).
+    compile: bool = False
+    activation_checkpointing: bool = False
     log_every: int = 1
     checkpoint_every: int = 50
     keep_checkpoints: int = 2  # the newest N checkpoints are kept ...

@@ -70,6 +70,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--num-tracks", type=int, default=24)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.yaml"))
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after tokenizing (the data the benchmarks and the study use)")
     args = p.parse_args(argv)
     t0 = time.time()
     work = Path(args.work)
@@ -86,6 +88,9 @@ def cli_main(argv: list[str]) -> int:
 
     _banner("3/5 tokenize")
     tokens = ensure_tokens(corpus_dir, work / "default_corpus_tokens", weights, note)
+    if args.data_only:
+        print(f"\ndata ready in {time.time() - t0:.0f} s: {tokens}")
+        return 0
 
     _banner("4/5 pretrain (accelerate launch recipes/pretrain.py)")
     name = time.strftime("tiny-%Y%m%d-%H%M%S")

@@ -190,14 +190,19 @@ class Trainer:
         loader, self.epoch_objects = build_data(cfg, accelerator, tokenizer_info)
         check_run_dir(cfg, resume, tokenizer_info)
         self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
+        accelerator.wait_for_everyone()  # every process has checked the run directory before it is written
         if accelerator.is_main_process:
             write_run_dir(cfg, tokenizer_info, accelerator.num_processes)
         accelerator.wait_for_everyone()
         self.run_dir = cfg.run_dir
 
         model = MusicMLM(cfg.model)
+        model.encoder.checkpoint_layers = tcfg.activation_checkpointing
+        if tcfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
+            model.frontend.compile()
+            model.encoder.compile()
         optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
-                                      weight_decay=ocfg.weight_decay)
+                                      weight_decay=ocfg.weight_decay, fused=ocfg.fused or None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
         if cfg.data.streaming:  # StreamingCrops splits the data across processes itself
             self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)

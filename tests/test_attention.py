@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from musiclm_stab.config import ConfigError
-from musiclm_stab.model.attention import SelfAttention, attend, attention_probs
+from musiclm_stab.model.attention import SelfAttention, attend, attention_probs, fast_dropout
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FORMS = ("sdpa", "math", "relax")
@@ -204,3 +204,29 @@ def test_unknown_form_refused():
         attend(q, k, v, "flash")
     with pytest.raises(ConfigError, match="use math or relax"):
         attention_probs(q, k, "sdpa")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_dropout_is_dropout(dtype):
+    """Keeps each element with probability 1 - p (binomial 5-sigma bound on 1M draws), scales the kept
+    ones by 1 / (1 - p), passes the gradient through the same mask, and is the identity in eval."""
+    p, n = 0.1, 1_000_000
+    x = torch.ones(n, dtype=dtype, requires_grad=True)
+    y = fast_dropout(x, p, training=True)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (kept.to(dtype) / (1 - p)).detach())
+    assert fast_dropout(x, p, training=False) is x and fast_dropout(x, 0.0, training=True) is x
+
+
+def test_sdpa_dropout_on_cpu_matches_the_explicit_product_in_expectation():
+    """With dropout in training, sdpa on CPU draws its own mask (fast_dropout); averaged over many draws
+    it equals the output without dropout (dropout is unbiased), and each draw differs from it."""
+    q, k, v = _qkv(B=1, H=2, T=8, d=4)
+    torch.manual_seed(0)
+    draws = torch.stack([attend(q, k, v, "sdpa", dropout=0.2, training=True) for _ in range(4000)])
+    exact = attend(q, k, v, "sdpa")
+    assert not torch.allclose(draws[0], exact)
+    torch.testing.assert_close(draws.mean(0), exact, atol=0.05, rtol=0)

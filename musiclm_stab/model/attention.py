@@ -21,6 +21,21 @@ from torch import nn
 from musiclm_stab.config import ATTENTION_FORMS, ConfigError
 from musiclm_stab.model.norm_schemes import make_norm
 
+# Off: torch's own dropout and SDPA dropout on CPU too (benchmarks/bench_train_step.py --before uses it).
+CPU_FAST_DROPOUT = True
+
+
+def fast_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout``, but on CPU the keep mask is drawn as ``rand >= p`` (one fp32 uniform per element)
+    instead of by ``bernoulli_``: the same distribution, about 2x faster here (benchmarks/README.md).
+    On other devices it is ``F.dropout`` itself (fused kernels)."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or not CPU_FAST_DROPOUT:
+        return F.dropout(x, p, training=True)
+    keep = torch.rand(x.shape, dtype=torch.float32) >= p
+    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 32.0) -> torch.Tensor:
     """Attention probabilities of the explicit forms. q, k: [B, H, T, d] -> [B, H, T, T] (dtype of q)."""
@@ -40,13 +55,18 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str, *, alpha: float = 32.0,
            dropout: float = 0.0, training: bool = False) -> torch.Tensor:
     """Attention output for q, k, v: [B, H, T, d] -> [B, H, T, d]."""
-    if form == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if training else 0.0)
     if form not in ATTENTION_FORMS:
         raise ConfigError(f"model.attention={form!r} is not valid; choose one of: {', '.join(ATTENTION_FORMS)}")
-    probs = attention_probs(q, k, form, alpha)
-    probs = F.dropout(probs, p=dropout, training=training)
-    return probs @ v
+    dropout = dropout if training else 0.0
+    if form == "sdpa":
+        if dropout == 0.0 or q.device.type != "cpu" or not CPU_FAST_DROPOUT:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        # On CPU, SDPA with dropout falls back to the explicit product anyway, drawing its mask with the
+        # slow bernoulli_: do the same product here with the faster mask (same result in distribution).
+        probs = torch.softmax((q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5), dim=-1)
+    else:
+        probs = attention_probs(q, k, form, alpha)
+    return fast_dropout(probs, dropout, training=True) @ v
 
 
 class SelfAttention(nn.Module):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from musiclm_stab.config import ModelConfig
-from musiclm_stab.model.attention import SelfAttention
+from musiclm_stab.model.attention import SelfAttention, fast_dropout
 from musiclm_stab.model.norm_schemes import SchemeSpec, make_norm, resolve_scheme
 
 
@@ -22,7 +23,7 @@ class FeedForward(nn.Module):
         self.sub_norm = make_norm(norm_type, hidden) if sublayer_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(F.gelu(self.fc1(x)), self.dropout, self.training)
+        h = fast_dropout(F.gelu(self.fc1(x)), self.dropout, self.training)
         if self.sub_norm is not None:
             h = self.sub_norm(h)
         return self.fc2(h)
@@ -52,7 +53,7 @@ class EncoderLayer(nn.Module):
         h = sublayer(h)
         if norm_out is not None:
             h = norm_out(h)
-        x = self.spec.residual_alpha * x + F.dropout(h, self.dropout, self.training)  # alpha scales x, not G(x)
+        x = self.spec.residual_alpha * x + fast_dropout(h, self.dropout, self.training)  # alpha scales x, not G(x)
         return norm_res(x) if norm_res is not None else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,7 @@ class Encoder(nn.Module):
         self.final_norm = make_norm(cfg.norm_type, cfg.width) if self.spec.final_norm else None
         self.dropout, self.layerdrop = cfg.dropout, cfg.layerdrop
         self.layers = nn.ModuleList(EncoderLayer(cfg, self.spec) for _ in range(cfg.num_layers))
+        self.checkpoint_layers = False  # activation checkpointing (train.activation_checkpointing)
         self.scaled_at_init = init_encoder_weights(self.layers, self.spec)
 
     def forward(self, x: torch.Tensor, return_hidden: bool = False):
@@ -99,13 +101,17 @@ class Encoder(nn.Module):
         x = x + self.pos_conv(x)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        x = F.dropout(x, self.dropout, self.training)
+        x = fast_dropout(x, self.dropout, self.training)
         hidden = [x]
         for layer in self.layers:
             if self.training and self.layerdrop > 0 and torch.rand(()) < self.layerdrop:
                 hidden.append(x)
                 continue
-            x = layer(x)
+            if self.checkpoint_layers and self.training and torch.is_grad_enabled():
+                # recomputed in backward with the same RNG state, so dropout masks match
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
             hidden.append(x)
         if self.final_norm is not None:
             x = self.final_norm(x)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from musiclm_stab import SAMPLE_RATE
 from musiclm_stab.config import ModelConfig
 from musiclm_stab.cqt import CQT
 from musiclm_stab.losses import acoustic_losses, musical_loss
+from musiclm_stab.model.attention import fast_dropout
 from musiclm_stab.model.encoder import Encoder
 from musiclm_stab.model.frontend import ConvFrontend, GradMultiply
 from musiclm_stab.model.heads import AcousticHeads, MusicalHead
@@ -60,7 +60,7 @@ class MusicMLM(nn.Module):
         pen = feats.float().pow(2).mean()
         feats = self.feature_norm(feats)
         x = self.feature_proj(feats)  # (B, T, D)
-        return F.dropout(x, self.cfg.feature_dropout, self.training), pen
+        return fast_dropout(x, self.cfg.feature_dropout, self.training), pen
 
     def encode(self, wav: torch.Tensor, mask: torch.Tensor | None = None, return_hidden: bool = False):
         """Encoder states for [B, S] audio; masked frames (mask [B, T] True) get the mask embedding."""
