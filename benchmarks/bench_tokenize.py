@@ -266,7 +266,7 @@ def main() -> None:
     if args.what == "naive-child":
         naive_child(args.weights, args.files)
         return
-    work = Path(args.work)
+    work = Path(args.work).resolve()  # the subset folder links to corpus files by absolute path
     work.mkdir(parents=True, exist_ok=True)
     {"throughput": throughput, "memory": memory, "boundary": boundary}[args.what](args, work)
 
