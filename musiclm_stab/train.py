@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -185,6 +186,12 @@ class Trainer:
             step_scheduler_with_optimizer=False,
             project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
         )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != accelerator.num_processes:
+            raise ConfigError(
+                f"launched as {launched} processes (WORLD_SIZE) but accelerate set up {accelerator.num_processes}: "
+                "they would train as independent runs into the same directory. On CPU set ACCELERATE_USE_CPU=1 "
+                "(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N ...); with GPUs use accelerate launch.")
         set_seed(tcfg.seed + 1000 * tcfg.run)
         tokenizer_info: dict = {}
         loader, self.epoch_objects = build_data(cfg, accelerator, tokenizer_info)

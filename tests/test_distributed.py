@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0) -> str:
+def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0, use_cpu: bool = True) -> str:
     script = [str(REPO / "recipes" / "pretrain.py"), "--config", str(REPO / "recipes" / "tiny.yaml"),
               f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}",
               f"--data.batch_size={4 // procs}", "--data.crop_seconds=2.0", "--data.eval_fraction=0.3",
@@ -25,7 +25,8 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
     if procs == 1:
         cmd = [sys.executable, *script]
     else:  # `accelerate launch --cpu` starts one process here; torchrun + ACCELERATE_USE_CPU gives real gloo ranks
-        env["ACCELERATE_USE_CPU"] = "1"
+        if use_cpu:
+            env["ACCELERATE_USE_CPU"] = "1"
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(procs), "--master_port", "29517", *script]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -56,3 +57,11 @@ def test_two_processes_match_one_and_resume(tokenized_dataset, tmp_path):
             assert two[step][m] == pytest.approx(one[step][m], rel=1e-5, abs=1e-6), (step, m)
     out = launch(tokenized_dataset, tmp_path, "two", 1, "--resume", "--train.max_steps=6", rc=2)
     assert "was written by 2 process(es); resume it with 2" in out and "not 1" in out, out[-2000:]
+
+
+def test_torchrun_without_a_distributed_setup_is_refused(tokenized_dataset, tmp_path):
+    """torchrun with 2 processes but no ACCELERATE_USE_CPU on a CPU machine: accelerate would set up two
+    independent single-process runs writing into one directory. Refused before any work, naming the fix."""
+    out = launch(tokenized_dataset, tmp_path, "two", 2, rc=1, use_cpu=False)
+    assert "launched as 2 processes (WORLD_SIZE) but accelerate set up 1" in out and "ACCELERATE_USE_CPU=1" in out
+    assert not (tmp_path / "two" / "metrics.jsonl").exists()
