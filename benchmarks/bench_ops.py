@@ -7,14 +7,12 @@ AdamW foreach vs fused, torch dropout vs ``fast_dropout``, and attention with dr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
 import torch.nn.functional as F
 
-from musiclm_stab.model import attention
-from musiclm_stab.model.attention import attend, fast_dropout
+from musiclm_stab.model.attention import attend, fast_dropout, torch_dropout
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -25,15 +23,6 @@ def best_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return 1e3 * min(times)
-
-
-@contextlib.contextmanager
-def torch_dropout():
-    attention.CPU_FAST_DROPOUT = False
-    try:
-        yield
-    finally:
-        attention.CPU_FAST_DROPOUT = True
 
 
 def dropout_row(dtype: torch.dtype, repeats: int) -> tuple:

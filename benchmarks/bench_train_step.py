@@ -21,7 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from musiclm_stab.config import ModelConfig
 from musiclm_stab.losses import acoustic_losses, musical_loss
 from musiclm_stab.masking import span_mask
-from musiclm_stab.model import MusicMLM, attention
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.model.attention import torch_dropout
 from musiclm_stab.model.frontend import PAD
 
 
@@ -73,16 +74,6 @@ def matmul_rate(dtype: str, n: int = 2048, repeats: int = 5) -> float:
     for _ in range(repeats):
         a @ b
     return 2 * n**3 * repeats / (time.perf_counter() - t)
-
-
-@contextlib.contextmanager
-def torch_dropout():
-    """Our model as it was before the CPU dropout change: torch's bernoulli_ dropout and SDPA dropout."""
-    attention.CPU_FAST_DROPOUT = False
-    try:
-        yield
-    finally:
-        attention.CPU_FAST_DROPOUT = True
 
 
 def main() -> None:

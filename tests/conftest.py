@@ -85,3 +85,15 @@ def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: P
     tokenize(src, out, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
              weights_note="test weights fitted on synthetic music", workers=0)
     return out
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps process-wide singletons; reset them around a test that builds Trainers in-process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

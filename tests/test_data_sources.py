@@ -6,20 +6,12 @@ import json
 
 import pytest
 import yaml
-from accelerate.state import AcceleratorState, GradientState
 
 from musiclm_stab.config import load_config
 from musiclm_stab.tokenize import merge_shards, tokenize
 from musiclm_stab.train import Trainer
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 
 
 @pytest.fixture(scope="module")

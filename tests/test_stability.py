@@ -8,20 +8,12 @@ import math
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 
 from musiclm_stab.config import OptimConfig, TrainConfig, load_config
 from musiclm_stab.stability import GradClipper, SpikeGuard
 from musiclm_stab.train import Trainer
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 
 
 def tiny_cfg(data, tmp_path, *overrides):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,8 +22,19 @@ from torch import nn
 from musiclm_stab.config import ATTENTION_FORMS, ConfigError
 from musiclm_stab.model.norm_schemes import make_norm
 
-# Off: torch's own dropout and SDPA dropout on CPU too (benchmarks/bench_train_step.py --before uses it).
+# Off: torch's own dropout and SDPA dropout on CPU too (see torch_dropout).
 CPU_FAST_DROPOUT = True
+
+
+@contextlib.contextmanager
+def torch_dropout():
+    """Within: torch's own dropout (bernoulli_) and SDPA dropout on CPU, as before fast_dropout (benchmarks)."""
+    global CPU_FAST_DROPOUT
+    CPU_FAST_DROPOUT = False
+    try:
+        yield
+    finally:
+        CPU_FAST_DROPOUT = True
 
 
 def fast_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
