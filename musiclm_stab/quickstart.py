@@ -59,7 +59,7 @@ def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | 
             return out
         print(f"{out} was tokenized with other weights: tokenizing again")
         shutil.rmtree(out)
-    tokenize(corpus_dir, out, weights=weights, weights_note=note)
+    print(tokenize(corpus_dir, out, weights=weights, weights_note=note))
     return out
 
 
