@@ -50,7 +50,7 @@ def load_model(run_dir: Path, ckpt: Path, cfg: Config, device: str = "cpu") -> M
 
 
 @torch.inference_mode()
-def evaluate(path: str | Path, data: str | None = None, split: str = "eval", batch_size: int = 8,
+def evaluate(path: str | Path, data: str | list[str] | None = None, split: str = "eval", batch_size: int = 8,
              seed: int = 1234, device: str = "cpu", write: bool = True) -> dict:
     """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys."""
     from musiclm_stab.tokenize import check_same_tokenizer, load_tokenized
@@ -94,7 +94,9 @@ def evaluate(path: str | Path, data: str | None = None, split: str = "eval", bat
     result.update({f"eval/acoustic_mlm_loss/cb{k}": ce[k] for k in range(K)})
     result.update({f"eval/acoustic_acc/cb{k}": acc[k] for k in range(K)})
     step = json.loads((ckpt / STATE_FILE).read_text())["step"]
-    result.update({"step": step, "checkpoint": str(ckpt), "data": str(data_path), "split": split,
+    result.update({"step": step, "checkpoint": str(ckpt),
+                   "data": [str(d) for d in data_path] if isinstance(data_path, list) else str(data_path),
+                   "split": split,
                    "num_segments": len(dataset), "masked_frames": totals["frames"], "seed": seed})
     if write:
         out_dir = run_dir / "eval"
@@ -121,14 +123,16 @@ def format_table(result: dict) -> str:
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
-    p.add_argument("--data", help="tokenized dataset (default: the run's data.path)")
+    p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards) "
+                   "(default: the run's data.path)")
     p.add_argument("--split", default="eval", choices=["eval", "train", "all"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234, help="seed of the evaluation masks")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
-        result = evaluate(args.path, args.data, args.split, args.batch_size, args.seed, args.device)
+        data = args.data[0] if args.data and len(args.data) == 1 else args.data
+        result = evaluate(args.path, data, args.split, args.batch_size, args.seed, args.device)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

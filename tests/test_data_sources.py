@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from musiclm_stab.config import load_config
+from musiclm_stab.evaluate import evaluate
 from musiclm_stab.tokenize import merge_shards, tokenize
 from musiclm_stab.train import Trainer
 
@@ -54,6 +55,11 @@ def test_sharded_input_trains_like_the_merged_folder(shards, tmp_path):
     assert yaml.safe_load(text)["data"]["path"] == [str(s1), str(s0)]
     assert "# launched with global batch 2 crops = 4 audio-s per update" in text
     assert load_config(a / "config.yaml").data.path == [str(s1), str(s0)]
+    # evaluation reads the shards like the merged folder: the same held-out segments, the same numbers
+    on_shards, on_merged = evaluate(a, write=False), evaluate(b, write=False)
+    assert on_shards["data"] == [str(s1), str(s0)] and on_merged["data"] == str(merged)
+    assert {k: v for k, v in on_shards.items() if k.startswith("eval/")} == \
+        {k: v for k, v in on_merged.items() if k.startswith("eval/")}
 
 
 def test_streaming_run_trains_and_resumes_exactly(tokenized_dataset, tmp_path):
