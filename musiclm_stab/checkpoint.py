@@ -112,7 +112,7 @@ def _test_pause(phase: str, step: int) -> None:
             time.sleep(600)
 
 
-def _write_failure(run_dir: Path, tmp: Path, error: OSError) -> str:
+def _write_failure(run_dir: Path, tmp: Path, error: Exception) -> str:
     ckpt_dir = Path(run_dir) / "checkpoints"
     try:
         free = f"{shutil.disk_usage(ckpt_dir).free / 2**30:.2f} GiB free"
@@ -122,7 +122,7 @@ def _write_failure(run_dir: Path, tmp: Path, error: OSError) -> str:
     kept = (f"the previous checkpoint {previous.name} is intact" if previous is not None
             else "there is no earlier checkpoint")
     return (f"could not write checkpoint {tmp.name[len(PARTIAL_PREFIX):]} in {ckpt_dir} ({free}): "
-            f"{error.strerror or error}. The partial write was removed and {kept}. Free some space (or lower "
+            f"{getattr(error, 'strerror', None) or error}. The partial write was removed and {kept}. Free some space (or lower "
             "train.keep_checkpoints, or set train.output_dir elsewhere), then resume with the same command "
             "and --resume.")
 
@@ -147,7 +147,7 @@ def save(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: 
             manifest.write_text(json.dumps({"step": step, **state, "files": files}, indent=1))
             with manifest.open("rb") as f:
                 os.fsync(f.fileno())
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError ("unexpected pos")
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(run_dir, tmp, e)) from e
     if accelerator.is_main_process:

@@ -144,6 +144,9 @@ class ModelConfig:
             raise ConfigError(f"model.width={r.width} must be divisible by model.pos_conv_groups")
         if not 0.0 <= self.mask_prob <= 1.0:
             raise ConfigError(f"model.mask_prob must be in [0, 1], got {self.mask_prob}")
+        for name in ("dropout", "attention_dropout", "activation_dropout", "feature_dropout", "layerdrop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.mask_length < 1:
             raise ConfigError(f"model.mask_length must be >= 1, got {self.mask_length}")
         if self.relax_alpha <= 0:

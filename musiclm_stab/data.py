@@ -167,7 +167,7 @@ class StreamingCrops(IterableDataset):
                 if batch >= num_batches:
                     return
                 if (pos // self.batch_size != self.rank or batch < self.skip
-                        or batch % num_workers != worker_id):
+                        or (batch - self.skip) % num_workers != worker_id):  # the loader reads worker 0 first
                     continue
                 mine.append(self._item(table, row))
                 if len(mine) == self.batch_size:

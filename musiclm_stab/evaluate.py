@@ -123,8 +123,8 @@ def format_table(result: dict) -> str:
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
-    p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards) "
-                   "(default: the run's data.path)")
+    p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards), after "
+                   "PATH (default: the run's data.path)")
     p.add_argument("--split", default="eval", choices=["eval", "train", "all"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234, help="seed of the evaluation masks")
@@ -133,7 +133,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         data = args.data[0] if args.data and len(args.data) == 1 else args.data
         result = evaluate(args.path, data, args.split, args.batch_size, args.seed, args.device)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))

@@ -186,8 +186,8 @@ class Trainer:
             step_scheduler_with_optimizer=False,
             project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
         )
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched != accelerator.num_processes:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))  # not every launcher sets it: only refuse > 1 vs 1
+        if launched > 1 and accelerator.num_processes == 1:
             raise ConfigError(
                 f"launched as {launched} processes (WORLD_SIZE) but accelerate set up {accelerator.num_processes}: "
                 "they would train as independent runs into the same directory. On CPU set ACCELERATE_USE_CPU=1 "
@@ -314,7 +314,9 @@ class Trainer:
         finite = math.isfinite(norm)
         if acc.scaler is not None:
             self.optimizer.step()  # fp16: the grad scaler skips non-finite updates itself, lowers the scale
-            overflow = acc.optimizer_step_was_skipped
+            # The norm is of the unscaled gradients, so non-finite means the scaler found inf and skipped
+            # (accelerate's optimizer_step_was_skipped stays False with fused AdamW, which skips in-kernel).
+            overflow = not finite
         else:
             overflow = False
             if finite:

@@ -204,6 +204,24 @@ def test_disk_full_keeps_previous_checkpoint(accelerator, tmp_path, monkeypatch,
     assert f"error: could not write checkpoint step_00000004 in {tmp_path / 'checkpoints'}" in capsys.readouterr().err
 
 
+def test_a_failed_torch_save_keeps_previous_checkpoint(accelerator, tmp_path, monkeypatch):
+    """torch.save reports a full disk as RuntimeError (its zip writer: "unexpected pos"), not OSError:
+    still a clean CheckpointWriteError, the partial write removed, the previous checkpoint intact."""
+    import accelerate.checkpointing
+
+    checkpoint.save(accelerator, tmp_path, 2, {}, keep=2)
+
+    def full(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"PK" + b"\0" * 14)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", full)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="unexpected pos.*previous checkpoint step_00000002 is intact"):
+        checkpoint.save(accelerator, tmp_path, 4, {}, keep=2)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert [c.name for c in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002"]
+
+
 def test_keep_last_and_every(accelerator, tmp_path):
     """keep_checkpoints=2 with keep_every=3: the newest two and every multiple of 3 survive pruning."""
     assert checkpoint.to_prune([1, 2, 3, 4, 5, 6, 7], keep=2) == [1, 2, 3, 4, 5]

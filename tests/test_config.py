@@ -47,6 +47,7 @@ BAD_SETTINGS = [
     ("--model.pos_conv_groups=3", "model.width=128 must be divisible by model.pos_conv_groups"),
     ("--model.mask_prob=1.5", "model.mask_prob must be in [0, 1], got 1.5"),
     ("--data.eval_fraction=1", "data.eval_fraction must be in [0, 1), got 1.0"),
+    ("--model.attention_dropout=1", "model.attention_dropout must be in [0, 1), got 1.0"),
     ("--optim.clip_grad=0", "optim.clip_grad must be > 0, got 0.0"),
     ("--train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
     ("--optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),

@@ -146,6 +146,10 @@ def test_streaming_processes_read_disjoint_examples_covering_the_epoch(tokenized
     assert len(tail) == 1 and torch.equal(tail[0][0]["pcm"], parts[1][1][0]["pcm"])
     by_workers = _epoch(one, workers=2)
     assert [[it["index"] for it in b] for b in by_workers] == [[it["index"] for it in b] for b in whole]
+    single = StreamingCrops(stream, batch_size=1, **kw)  # 4 micro-batches: resume after 1 with 2 workers
+    order = [[it["index"] for it in b] for b in _epoch(single)]
+    assert [[it["index"] for it in b] for b in _epoch(single, skip=1, workers=2)] == order[1:]
+    assert [[it["index"] for it in b] for b in _epoch(single, skip=3, workers=2)] == order[3:]
 
     # 6 examples, global batches of 2 x 2: one batch, the remainder dropped on both processes alike
     ranks = [StreamingCrops(stream, 0.0, 2.0, batch_size=2, rank=r, world_size=2) for r in range(2)]

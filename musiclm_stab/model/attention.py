@@ -75,7 +75,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str, *, alph
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         # On CPU, SDPA with dropout falls back to the explicit product anyway, drawing its mask with the
         # slow bernoulli_: do the same product here with the faster mask (same result in distribution).
-        probs = torch.softmax((q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5), dim=-1)
+        # in fp32, as SDPA's own fallback computes it (bf16 probabilities were ~7x less accurate)
+        logits = (q.float() @ k.float().transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        probs = torch.softmax(logits, dim=-1).to(v.dtype)
     else:
         probs = attention_probs(q, k, form, alpha)
     return fast_dropout(probs, dropout, training=True) @ v
