@@ -42,6 +42,7 @@ FAILURE_KINDS = {
     "silent": "peak below the silence threshold (tokenizer policy)",
     "too_short": "shorter than min_seconds, or no whole 320-sample frame at 24 kHz (tokenizer policy)",
     "bad_row": "a dataset row with no usable audio",
+    "error": "any other error while reading this one input (its type and message are given)",
 }
 BLOCK_SECONDS = 10.0  # source audio decoded per block
 
@@ -349,6 +350,9 @@ def array_reader(array: np.ndarray | torch.Tensor, sample_rate: int, name: str =
     wave = torch.as_tensor(np.asarray(array))
     if wave.dtype in (torch.int16, torch.int32, torch.int8, torch.uint8):
         wave = _int_to_float(wave)
+    elif not (wave.is_floating_point() or wave.dtype == torch.bool):
+        raise AudioError(name, f"samples of type {wave.dtype} (give float, or int8/uint8/int16/int32 PCM): "
+                         "their full scale is unknown", "bad_row")
     wave = wave.to(torch.float32)
     if wave.dim() == 2:
         channel_axis = 0 if wave.shape[0] < wave.shape[1] else 1

@@ -115,7 +115,7 @@ def _string_feature():
 
 def _manifest_tracks(path: Path) -> list[TrackRef]:
     if path.suffix.lower() == ".csv":
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a BOM (spreadsheet exports) is dropped
             rows = list(csv.DictReader(f))
         if rows and "path" not in rows[0]:
             raise TokenizeError(f"{path}: a CSV manifest needs a 'path' column (found: {', '.join(rows[0])})")
@@ -124,9 +124,12 @@ def _manifest_tracks(path: Path) -> list[TrackRef]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise TokenizeError(f"{path}:{n}: not a JSON object ({e})") from None
+                if not isinstance(row, dict):
+                    raise TokenizeError(f"{path}:{n}: not a JSON object (a {type(row).__name__})")
+                rows.append(row)
     refs, seen = [], {}
     for i, row in enumerate(rows):
         file = str(row.get("path") or "").strip()

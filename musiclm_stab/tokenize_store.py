@@ -113,6 +113,17 @@ def job_units(job: dict) -> list[int] | None:
     return [k for k in range(total) if k % n == i]
 
 
+def _is_tokenizer_output(path: Path) -> bool:
+    """A folder this tokenizer wrote: resume state, or a tokenizer.json naming its weights. (A plain HF
+    dataset saved with save_to_disk is not one, so --overwrite never deletes it.)"""
+    if (path / STATE_DIR).is_dir():
+        return True
+    try:
+        return "weights_sha256" in json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 class OutputDir:
     """The state of one tokenizer output folder."""
 
@@ -133,10 +144,11 @@ class OutputDir:
         tokenizer output of any kind, never anything else.
         """
         d = cls(out)
+        if d.state.is_dir() and not (d.state / "job.json").is_file() and not any(d.units_dir.glob("*")) \
+                and not (d.out / METADATA_FILE).exists():
+            shutil.rmtree(d.state)  # a run killed before it wrote its job: nothing was done, start afresh
         if d.out.exists() and (not d.out.is_dir() or any(d.out.iterdir())):
-            ours = d.out.is_dir() and any((d.out / f).exists() for f in (METADATA_FILE, FAILURES_FILE, "state.json",
-                                                                          STATE_DIR))
-            if not ours:
+            if not d.out.is_dir() or not _is_tokenizer_output(d.out):
                 raise FileExistsError(f"refusing to use {d.out}: it exists and does not look like a tokenized "
                                       f"dataset (no {METADATA_FILE}); delete it yourself or choose another output")
             if overwrite:

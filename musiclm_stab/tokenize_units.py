@@ -204,7 +204,9 @@ def _run_unit_once(spec: SourceSpec, k: int, refs: list[TrackRef], model: Encode
                     raise AudioError(ref.where, f"silent: every segment's peak is below {s.silence_db:g} dBFS",
                                      "silent")
                 totals["tracks"] += 1
-            except AudioError as e:
+            except Exception as e:  # a failure of this one input, whatever it is, is recorded as its failure
+                if not isinstance(e, AudioError):
+                    e = AudioError(ref.where, f"{type(e).__name__}: {e}", "error")
                 if written[ref.name]:
                     raise _RedoUnit(ref.index, _failure(ref, e)) from None
                 pending[:] = [p for p in pending if p[0] != ref.name]

@@ -207,3 +207,36 @@ def test_open_audio_on_bytes_and_arrays_shares_the_checks(make_music):
     with pytest.raises(AudioError, match="empty audio bytes") as e:
         open_audio(b"", "row 2")
     assert e.value.kind == "empty"
+
+
+def test_review_cases_manifests_rows_and_the_output_guard(tmp_path, local_weights, make_music):
+    """A CSV manifest with a BOM is read; a JSONL line that is not an object is named; an HF row with no
+    sample rate or with integer samples of unknown scale is that row's failure, not the run's; --overwrite
+    never deletes a folder the tokenizer did not write; a run killed before it wrote its job starts afresh."""
+    sf.write(tmp_path / "x.wav", make_music(0.5, seed=61), SR)
+    (tmp_path / "bom.csv").write_text("\ufeffpath\nx.wav\n", encoding="utf-8")
+    tokenize(tmp_path / "bom.csv", tmp_path / "out_bom", weights=str(local_weights), **KW)
+    assert load_tokenized(tmp_path / "out_bom")[0]["track"] == ["x.wav"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"path": "x.wav"}) + "\n" + json.dumps("x.wav") + "\n")
+    with pytest.raises(RuntimeError, match=r"bad.jsonl:2: not a JSON object \(a str\)"):
+        tokenize(tmp_path / "bad.jsonl", tmp_path / "out_jsonl", weights=str(local_weights), **KW)
+
+    wave = make_music(1.0, seed=62).astype(np.float32)
+    rows = {"audio": [{"array": wave.tolist(), "sampling_rate": SR},
+                      {"array": wave.tolist(), "sampling_rate": None}]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "hf"))
+    s = tokenize(tmp_path / "hf", tmp_path / "out_hf", weights=str(local_weights), **KW)
+    assert set(load_tokenized(tmp_path / "out_hf")[0]["track"]) == {"0"} and s.num_failures == 1
+    (fail,) = map(json.loads, (tmp_path / "out_hf" / "failures.jsonl").read_text().splitlines())
+    assert fail["track"] == "1" and fail["kind"] == "error" and "TypeError" in fail["reason"]
+    with pytest.raises(AudioError, match="samples of type torch.int64") as e:
+        array_reader((wave * 2000).astype(np.int64), SR)
+    assert e.value.kind == "bad_row"
+
+    with pytest.raises(FileExistsError, match="does not look like a tokenized dataset"):
+        tokenize(tmp_path / "bom.csv", tmp_path / "hf", weights=str(local_weights), overwrite=True, **KW)
+    assert datasets.load_from_disk(str(tmp_path / "hf")).num_rows == 2  # untouched
+
+    (tmp_path / "out_killed" / ".tokenize" / "units").mkdir(parents=True)  # killed before job.json
+    tokenize(tmp_path / "bom.csv", tmp_path / "out_killed", weights=str(local_weights), **KW)
+    assert load_tokenized(tmp_path / "out_killed")[0]["track"] == ["x.wav"]
