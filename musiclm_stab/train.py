@@ -54,6 +54,11 @@ def metric_names(num_codebooks: int) -> list[str]:
             + [f"acoustic_acc/cb{k}" for k in range(num_codebooks)])
 
 
+# A checkpoint's data position (micro-batches consumed) means the same batches only with these unchanged.
+DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data", "eval_fraction"),
+                      ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))
+
+
 def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
     """The training loader and the objects that take ``set_epoch``. ``data.path`` is one tokenized folder or
     several (shards are read in the order a single run wrote them). Saved data: a DataLoader that
@@ -246,6 +251,12 @@ class Trainer:
         if saved != self.accelerator.num_processes:
             raise ConfigError(f"{ckpt} was written by {saved} process(es); resume it with {saved} (its data "
                               f"position and RNG states are per process), not {self.accelerator.num_processes}")
+        then, now = state.get("config") or {}, self.cfg.to_dict()
+        changed = [f"{sec}.{key}: {then[sec][key]!r} in the checkpoint, {now[sec][key]!r} now"
+                   for sec, key in DATA_POSITION_KEYS if key in then.get(sec, {}) and then[sec][key] != now[sec][key]]
+        if changed:
+            raise ConfigError(f"cannot resume {ckpt} exactly: settings that define its data position changed\n  "
+                              + "\n  ".join(changed) + "\nset them back, or start a new run (another --train.name)")
         self.accelerator.load_state(str(ckpt))
         self.consumed = state["consumed_micro_batches"]
         return state["step"]

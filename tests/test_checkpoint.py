@@ -163,6 +163,20 @@ def test_damaged_checkpoint_is_skipped(tokenized_dataset, tmp_path):
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
 
 
+def test_resume_with_a_changed_data_position_is_refused(tokenized_dataset, tmp_path):
+    """The checkpoint's data position (micro-batches consumed) only means the same batches with the same
+    batch size, crops, split, order and accumulation: resuming with one of them changed is refused,
+    naming each change, before any work."""
+    finish(start(tokenized_dataset, tmp_path, "c", "--train.max_steps=2"))
+    proc = start(tokenized_dataset, tmp_path, "c", "--resume", "--train.max_steps=4", "--data.batch_size=1",
+                 "--train.grad_accum=2")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    assert "cannot resume" in out and "settings that define its data position changed" in out
+    assert "data.batch_size: 2 in the checkpoint, 1 now" in out and "train.grad_accum: 1 in the checkpoint, 2 now" in out
+    assert [r["step"] for r in rows(tmp_path / "c")] == [1, 2]
+
+
 @pytest.fixture
 def accelerator():
     """An in-process accelerate state with a small model and optimizer, reset afterwards."""
