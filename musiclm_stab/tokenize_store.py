@@ -243,16 +243,17 @@ class OutputDir:
         c = self.summary_counts(units)
         parts = [{"unit": r["unit"], "file": r["file"], "rows": r["num_rows"]} for r in c["records"] if r["file"]]
         atomic_write(self.out / FAILURES_FILE, "".join(json.dumps(f) + "\n" for f in c["failures"]))
-        if not parts:
+        if not parts and not meta.get("shard"):
             shown = "; ".join(f"{f['path']}: {f['reason']}" for f in c["failures"][:3])
             raise TokenizeError(f"every one of the {len(c['failures'])} inputs failed ({shown}); "
                                 f"all reasons in {self.out / FAILURES_FILE}")
-        datasets.DatasetInfo(features=FEATURES).write_to_directory(str(self.out))
-        fingerprint = hashlib.sha256(json.dumps([meta.get("job_sha256"), parts]).encode()).hexdigest()[:16]
-        state = {"_data_files": [{"filename": p["file"]} for p in parts], "_fingerprint": fingerprint,
-                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-                 "_output_all_columns": False, "_split": None}
-        atomic_write(self.out / "state.json", json.dumps(state, indent=2) + "\n")
+        if parts:  # a shard may finish with no rows (fewer units than shards, or all its inputs failed)
+            datasets.DatasetInfo(features=FEATURES).write_to_directory(str(self.out))
+            fingerprint = hashlib.sha256(json.dumps([meta.get("job_sha256"), parts]).encode()).hexdigest()[:16]
+            state = {"_data_files": [{"filename": p["file"]} for p in parts], "_fingerprint": fingerprint,
+                     "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                     "_output_all_columns": False, "_split": None}
+            atomic_write(self.out / "state.json", json.dumps(state, indent=2) + "\n")
         keep = {Path(p["file"]).name for p in parts}
         for stray in self.parts_dir.iterdir():  # temporary files of killed runs, parts of retried units
             if stray.name not in keep:
@@ -324,6 +325,8 @@ def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = Fa
     if len(paths) > 1 and len({i.get("job_sha256") for i in infos}) == 1 and len(set(shards)) == len(shards) \
             and None not in {u for u, _ in files}:  # shards of one job: restore the single-run order
         files.sort(key=lambda f: f[0])
+    if not files:
+        raise ValueError(f"{', '.join(str(p) for p in paths)}: no rows (an empty shard); load it with the other shards")
     if streaming:
         ds = datasets.load_dataset("arrow", data_files=[str(f) for _, f in files], split="train", streaming=True)
         ds = ds.cast(FEATURES)

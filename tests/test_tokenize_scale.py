@@ -195,6 +195,17 @@ def test_shards_merge_into_the_single_run_output(tmp_path, local_weights, make_m
     with pytest.raises(OutputMismatch, match="shard"):
         tokenize(src, tmp_path / "shard0", shard="1/3", **kw)
 
+    # more shards than units (6 units): shard 6/7 gets none, finishes empty, and still merges
+    for i in range(7):
+        tokenize(src, tmp_path / f"s7_{i}", shard=f"{i}/7", **kw)
+    assert json.loads((tmp_path / "s7_6" / "tokenizer.json").read_text())["num_rows"] == 0
+    with pytest.raises(ValueError, match="no rows"):
+        load_tokenized(tmp_path / "s7_6")
+    shards7 = [tmp_path / f"s7_{i}" for i in range(7)]
+    _same(single, load_tokenized(shards7)[0])
+    merge_shards(tmp_path / "m7", shards7)
+    _same(single, load_tokenized(tmp_path / "m7")[0])
+
 
 def test_open_audio_on_bytes_and_arrays_shares_the_checks(make_music):
     """Encoded bytes and in-memory arrays go through the same reader: same blocks, same errors."""
