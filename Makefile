@@ -36,7 +36,8 @@ bench: $(STAMP) $(TOKENS)
 	$(PY) benchmarks/bench_input.py --data work/default_corpus_tokens --size tiny --steps 20 --rounds 2
 	$(PY) benchmarks/bench_processes.py --data work/default_corpus_tokens --steps 20 --warmup 5 --repeats 1
 	$(PY) benchmarks/bench_cqt.py --seconds 30 --repeats 5
-	$(PY) benchmarks/bench_tokenize.py throughput --work work/bench_tokenize --weights work/encodec_local_seed0.pt --tracks 4 --repeats 1
+	$(PY) benchmarks/bench_tokenize.py throughput --work work/bench_tokenize --tracks 4 --repeats 1 \
+		$(if $(wildcard work/encodec_local_seed0.pt),--weights work/encodec_local_seed0.pt)
 
 clean:
 	rm -rf work runs

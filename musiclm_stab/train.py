@@ -153,9 +153,14 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
                                  f"data {cfg.data.path}")
 
 
+def global_batch_crops(cfg: Config, num_processes: int) -> int:
+    """Crops in one optimizer update, over all processes and accumulated micro-batches."""
+    return cfg.data.batch_size * cfg.train.grad_accum * num_processes
+
+
 def global_batch(cfg: Config, num_processes: int) -> str:
     """One line stating the global batch (one optimizer update) in crops and audio-seconds."""
-    crops = cfg.data.batch_size * cfg.train.grad_accum * num_processes
+    crops = global_batch_crops(cfg, num_processes)
     return (f"global batch {crops} crops = {crops * cfg.data.crop_seconds:g} audio-s per update "
             f"(data.batch_size {cfg.data.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
             f"{num_processes} process(es) x data.crop_seconds {cfg.data.crop_seconds:g})")
@@ -242,8 +247,7 @@ class Trainer:
         self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
         self.names = metric_names(cfg.model.num_codebooks)
         self.pen_weight = cfg.model.features_pen_weight
-        self.global_batch_s = (cfg.data.batch_size * tcfg.grad_accum * accelerator.num_processes
-                               * cfg.data.crop_seconds)
+        self.global_batch_s = global_batch_crops(cfg, accelerator.num_processes) * cfg.data.crop_seconds
 
     def load_checkpoint(self, ckpt: Path) -> int:
         state = checkpoint.read_state(ckpt)
