@@ -59,6 +59,27 @@ DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data",
                       ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))
 
 
+def keep_configured_kernel(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer ``load_state_dict`` pre-hook: keep the kernel the optimizer was built with.
+
+    torch restores a checkpoint's ``param_groups`` whole, kernel choice (``fused``, ``foreach``) included,
+    so a run resumed with another ``optim.fused`` would silently keep the old kernel. The kernel does not
+    change the math, so the configured one wins; each ``step`` counter moves to where that kernel keeps it
+    (fused or capturable: on the parameter's device, which torch's load does; else on the CPU, as a fresh
+    optimizer has it, instead of one host sync per parameter and step)."""
+    for saved, now in zip(state_dict["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach"):
+            if key in now:
+                saved[key] = now[key]
+        if now.get("fused") or now.get("capturable"):
+            continue
+        for pid in saved["params"]:
+            step = state_dict["state"].get(pid, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                state_dict["state"][pid]["step"] = step.cpu()
+    return state_dict
+
+
 def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
     """The training loader and the objects that take ``set_epoch``. ``data.path`` is one tokenized folder or
     several (shards are read in the order a single run wrote them). Saved data: a DataLoader that
@@ -76,9 +97,12 @@ def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
     tokenizer_info_out.update(info)
     collator = Collator(dcfg, cfg.model.resolved(), seed=cfg.train.seed)
     if dcfg.streaming:
-        dataset = StreamingCrops(hf, dcfg.eval_fraction, dcfg.crop_seconds, dcfg.batch_size, seed=cfg.train.seed,
-                                 rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                 shuffle_buffer=dcfg.shuffle_buffer)
+        try:
+            dataset = StreamingCrops(hf, dcfg.eval_fraction, dcfg.crop_seconds, dcfg.batch_size,
+                                     seed=cfg.train.seed, rank=accelerator.process_index,
+                                     world_size=accelerator.num_processes, shuffle_buffer=dcfg.shuffle_buffer)
+        except ValueError as e:  # a part file that is not arrow data, or lacks a column: named in e
+            raise ConfigError(f"data.path: {e}") from e
         count = dataset.num_examples
     else:
         train_idx, _ = split_indices(hf["track"], dcfg.eval_fraction)
@@ -220,6 +244,7 @@ class Trainer:
             model.encoder.compile()
         optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
                                       weight_decay=ocfg.weight_decay, fused=ocfg.fused or None)
+        optimizer.register_load_state_dict_pre_hook(keep_configured_kernel)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
         if cfg.data.streaming:  # StreamingCrops splits the data across processes itself
             self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)

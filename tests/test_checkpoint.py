@@ -19,10 +19,13 @@ import torch
 from musiclm_stab import checkpoint, train
 
 REPO = Path(__file__).resolve().parent.parent
+FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py with a fault (TRAIN_FAULT)
 
 
 def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "recipes" / "pretrain.py"), "--config", str(REPO / "recipes" / "tiny.yaml"),
+    """The tiny recipe as a subprocess; through tests/train_faults.py when ``env`` sets TRAIN_FAULT."""
+    script = FAULTS if env and "TRAIN_FAULT" in env else REPO / "recipes" / "pretrain.py"
+    cmd = [sys.executable, str(script), "--config", str(REPO / "recipes" / "tiny.yaml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}", "--data.crop_seconds=2.0",
            "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=2",
            "--train.checkpoint_every=2", "--train.keep_checkpoints=10", *extra]
@@ -66,8 +69,9 @@ def kill(proc: subprocess.Popen) -> str:
 
 
 def pause_at(step: int, phase: str, marker: Path) -> dict:
-    """Environment that makes the write of checkpoint ``step`` stop at ``phase`` and create ``marker``."""
-    return {checkpoint.TEST_PAUSE_ENV: f"{step},{phase},{marker}"}
+    """Environment that makes the write of checkpoint ``step`` stop at ``phase`` and create ``marker``
+    (tests/train_faults.py holds checkpoint.write_manifest or checkpoint.publish there)."""
+    return {"TRAIN_FAULT": f"pause:{phase}:{step}:{marker}"}
 
 
 def final_rows(run_dir: Path) -> dict[int, dict]:

@@ -1,0 +1,78 @@
+"""recipes/pretrain.py with one fault injected, for the crash-safety tests (not collected by pytest).
+
+    python tests/train_faults.py [pretrain arguments]        (also under torchrun)
+
+The fault is chosen by the environment variable ``TRAIN_FAULT``; it patches the package from outside
+(the package itself has no test hooks):
+
+- ``pause:<phase>:<step>:<marker>`` holds the write of checkpoint ``<step>`` at ``<phase>`` forever, after
+  creating the file ``<marker>``, so that the test can SIGKILL the process there. ``files``: before
+  ``checkpoint.write_manifest`` (the accelerate state is written, there is no manifest); ``rename``:
+  before ``checkpoint.publish`` (complete, not yet moved into place).
+- ``enospc:<rank>:<step>:<seconds>`` makes every ``torch.save`` of the process of that rank (env ``RANK``, 0
+  without a launcher) into the partial write of checkpoint ``<step>`` write 16 bytes, wait ``<seconds>`` (a
+  slow disk: the other processes are done with their part meanwhile) and fail as a full disk does.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from musiclm_stab import checkpoint, train
+
+PAUSE_AT = {"files": "write_manifest", "rename": "publish"}
+
+
+def pause(phase: str, step: int, marker: Path) -> None:
+    name = PAUSE_AT[phase]
+    original = getattr(checkpoint, name)
+    partial = f"{checkpoint.PARTIAL_PREFIX}{checkpoint.CHECKPOINT_PREFIX}{step:08d}"
+
+    def held(tmp: Path, *args, **kwargs):
+        if Path(tmp).name == partial:
+            marker.write_text(f"{phase} {step}\n")
+            while True:  # until the test kills the process
+                time.sleep(1)
+        return original(tmp, *args, **kwargs)
+
+    setattr(checkpoint, name, held)
+
+
+def disk_full(rank: int, step: int, delay: float) -> None:
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    original = torch.save
+    partial = f"{checkpoint.PARTIAL_PREFIX}{checkpoint.CHECKPOINT_PREFIX}{step:08d}"
+
+    def full(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and Path(f).parent.name == partial:
+            Path(f).write_bytes(b"\0" * 16)  # cut short, as by a full disk
+            time.sleep(delay)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = full
+
+
+def inject(spec: str) -> None:
+    kind, *args = spec.split(":", 3)
+    if kind == "pause":
+        phase, step, marker = args
+        pause(phase, int(step), Path(marker))
+    elif kind == "enospc":
+        rank, step, delay = args
+        disk_full(int(rank), int(step), float(delay))
+    else:
+        raise SystemExit(f"TRAIN_FAULT={spec!r}: unknown fault {kind!r} (pause, enospc)")
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRAIN_FAULT"):
+        inject(os.environ["TRAIN_FAULT"])
+    sys.exit(train.main())
