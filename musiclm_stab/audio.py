@@ -5,10 +5,12 @@ mp3, aiff and au without FFmpeg. Channels are down-mixed by averaging, then the 
 with ``torchaudio.functional.resample``. Long files are never held whole: ``open_audio`` gives an
 ``AudioReader`` that decodes in blocks, ``scan`` checks a whole track in one pass (length, peak,
 non-finite samples, truncation), and ``resampled_blocks`` streams it at 24 kHz. The block-wise
-resampling equals a whole-track ``resample`` up to float rounding (see ``StreamResampler``).
+resampling equals a whole-track ``resample`` up to float rounding (see ``StreamResampler``). Every pass
+after the first decodes from a freshly opened file, never from a seek back to the start.
 
 Anything that cannot become a usable waveform raises ``AudioError`` with the source, a reason, and a
-``kind`` (one of ``FAILURE_KINDS``), so callers can skip the file and report it.
+``kind`` (one of ``FAILURE_KINDS``), so callers can skip the file and report it. What is odd but still
+usable audio is kept and reported as an ``AudioWarning`` (one of ``WARNING_KINDS``) in ``AudioStats.warnings``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,9 @@ FAILURE_KINDS = {
     "empty": "0 bytes",
     "not_audio": "not a format libsndfile recognises",
     "corrupt": "recognised, but the header or the encoded data is damaged",
-    "truncated": "the file ends before the length its header declares",
+    "truncated": "the data ends before the length the header declares: WAV, FLAC, AIFF and AU by any "
+                 "amount; OGG and MP3 (lengths from page granules or frame estimates) by more than "
+                 "max(0.5 s, 1%) of it (a smaller shortfall is the warning length_mismatch)",
     "no_samples": "a valid file with no samples",
     "non_finite": "NaN or inf samples",
     "silent": "peak below the silence threshold (tokenizer policy)",
@@ -44,7 +49,21 @@ FAILURE_KINDS = {
     "bad_row": "a dataset row with no usable audio",
     "error": "any other error while reading this one input (its type and message are given)",
 }
+# Odd but usable audio: kept, and reported to the caller in AudioStats.warnings (see AudioWarning).
+WARNING_KINDS = {
+    "length_mismatch": "the decoded length differs from the header's, short by at most the OGG/MP3 "
+                       "tolerance max(0.5 s, 1%) or long by any amount: the audio is kept as decoded",
+    "over_full_scale": "float samples with a peak above MAX_PEAK (2.0, +6 dBFS), e.g. PCM stored unscaled: "
+                       "the track is scaled by 1/peak to a peak of 1.0",
+}
 BLOCK_SECONDS = 10.0  # source audio decoded per block
+# Float peaks up to 2.0 are kept as they are: lossy decoders overshoot 1.0 on loud masters. Above it the
+# scale is wrong (PCM stored as unscaled float, a gain bug upstream), and EnCodec expects [-1, 1].
+MAX_PEAK = 2.0
+# OGG granule positions and MP3 frame counts are bookkeeping that real files get slightly wrong (an
+# end-of-stream mark a page early, a last granule a few samples past the data, an MP3 length estimate):
+# a shortfall up to max(0.5 s, 1%) is a warning there. WAV/FLAC/AIFF/AU state exact sample counts.
+_LOOSE_LENGTH_FORMATS = ("OGG", "MP3", "MPEG")
 
 # torchaudio's resampling kernel is (new/g) x (orig/g) for g = gcd(orig, new); a rate such as
 # 44101 Hz (g = 1) would need gigabytes. Such rates are snapped to the nearest multiple of 100 Hz.
@@ -61,6 +80,26 @@ class AudioError(ValueError):
         super().__init__(f"{self.path}: {reason}")
 
 
+@dataclass(frozen=True)
+class AudioWarning:
+    """Something odd about a track that is still used: ``kind`` is one of ``WARNING_KINDS``."""
+
+    path: str
+    kind: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        assert self.kind in WARNING_KINDS, self.kind
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+class AudioFileWarning(UserWarning):
+    """The ``warnings`` category under which the whole-waveform helpers (``load_audio``,
+    ``decode_bytes``, ``from_array``) report an ``AudioWarning``; the tokenizer records them instead."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # Opening and reading in blocks
 
@@ -70,27 +109,45 @@ class AudioReader:
 
     ``frames`` is the length the header declares (for WAV, the data chunk's size even when libsndfile
     would silently shorten it to what is on disk). Iterate ``blocks()`` as often as needed; each
-    pass decodes again, so memory holds one block, never the track.
+    pass decodes again, so memory holds one block, never the track. ``warnings`` collects what the
+    passes found odd but usable (each kind once); ``gain`` is the scale ``resampled_blocks`` applies
+    (``scan`` lowers it for float audio far above full scale).
     """
 
     def __init__(self, name: str, sample_rate: int, frames: int, channels: int,
-                 soundfile: sf.SoundFile | None = None, array: np.ndarray | None = None):
+                 soundfile: sf.SoundFile | None = None, array: np.ndarray | None = None,
+                 reopen: Callable[[], sf.SoundFile] | None = None):
         self.name, self.sample_rate, self.frames, self.channels = name, sample_rate, frames, channels
         self._file, self._array = soundfile, array  # exactly one is set; array is mono (S,)
+        self._reopen = reopen  # a new decoder at the start of the same source (files only)
+        assert (soundfile is None) == (reopen is None), "a file reader needs reopen for its later passes"
+        self._passes = 0  # passes over the file started so far
+        self.warnings: list[AudioWarning] = []
+        self.gain = 1.0
+
+    def warn(self, kind: str, reason: str) -> None:
+        """Record a warning of ``kind`` about this source, once per kind."""
+        if all(w.kind != kind for w in self.warnings):
+            self.warnings.append(AudioWarning(self.name, kind, reason))
 
     def blocks(self, block_frames: int | None = None) -> Iterator[np.ndarray]:
-        """Mono float32 blocks [n] of at most ``block_frames`` source samples, from the start."""
+        """Mono float32 blocks [n] of at most ``block_frames`` source samples, from the start (every
+        pass after the first opens the source again: see ``_restart``).
+
+        Length rule, checked when the decoder reports the end: a shortfall against ``frames`` fails as
+        ``truncated`` if it is more than the format's tolerance (0 for WAV, FLAC, AIFF, AU; for OGG and
+        MP3 max(0.5 s, 1%) of ``frames``); a smaller shortfall, or more samples than declared, keeps
+        the audio as decoded and records the warning ``length_mismatch``.
+        """
         block_frames = block_frames or int(BLOCK_SECONDS * self.sample_rate)
         if self._array is not None:
             for start in range(0, len(self._array), block_frames):
                 yield self._array[start : start + block_frames]
             return
+        if self._passes:
+            self._restart()
+        self._passes += 1
         f, done = self._file, 0
-        try:
-            if f.tell() != 0:
-                f.seek(0)
-        except (sf.SoundFileError, RuntimeError) as e:
-            raise AudioError(self.name, f"cannot rewind to the start (damaged file): {e}", "corrupt") from None
         while True:
             try:
                 block = f.read(block_frames, dtype="float32", always_2d=True)  # (n, C)
@@ -102,12 +159,43 @@ class AudioReader:
                 break
             done += len(block)
             yield block.mean(axis=1) if block.shape[1] > 1 else block[:, 0]  # (n,): average the channels
-        # libsndfile's mp3 lengths are estimates; other formats must deliver what the header declares
+        self._check_length(done, f.format)
+
+    def _restart(self) -> None:
+        """Replace the decoder with one freshly opened at the start of the source.
+
+        Not ``seek(0)``: libsndfile 1.2.2 fails it ("file is malformed") on an Ogg Vorbis stream whose
+        first page decodes to more samples than its granule position counts (start trimming), as in
+        clips copied out of a longer stream without re-encoding, although such a file decodes whole.
+        Opening again reads the headers (and for Ogg the last page), never the track.
+        """
+        self._file.close()
+        try:
+            f = self._reopen()
+        except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError, OSError) as e:
+            raise AudioError(self.name, f"cannot open the file again for another pass: {e}", "unreadable") from None
+        now = (f.samplerate, f.channels, f.frames)
+        if now != (self.sample_rate, self.channels, self.frames):
+            f.close()
+            raise AudioError(self.name, f"the file changed while it was read: it was {self.sample_rate} Hz, "
+                             f"{self.channels} channels, {self.frames} samples, now {now[0]} Hz, {now[1]} "
+                             f"channels, {now[2]} samples", "corrupt")
+        self._file = f
+
+    def _check_length(self, done: int, fmt: str) -> None:
         missing = self.frames - done
-        tolerance = max(self.sample_rate // 2, self.frames // 100) if f.format in ("MP3", "MPEG") else 0
+        if missing == 0:
+            return
+        loose = fmt in _LOOSE_LENGTH_FORMATS
+        tolerance = max(self.sample_rate // 2, self.frames // 100) if loose else 0
+        declared, ends = _two_durations(self.frames, done, self.sample_rate)
+        what = (f"the header declares {declared} but the data ends at {ends} ({done} of {self.frames} "
+                f"samples; {_amount(abs(missing), self.sample_rate)} {'short' if missing > 0 else 'over'}")
         if missing > tolerance:
-            raise AudioError(self.name, f"truncated: the header declares {self.frames / self.sample_rate:.2f} s "
-                             f"but the data ends at {done / self.sample_rate:.2f} s", "truncated")
+            allowed = (f"more than the {tolerance / self.sample_rate:.2f} s allowed for {fmt}" if loose
+                       else f"{fmt} states its exact length")
+            raise AudioError(self.name, f"truncated: {what}, {allowed})", "truncated")
+        self.warn("length_mismatch", f"length mismatch: {what}); the audio is kept as decoded")
 
     def close(self) -> None:
         if self._file is not None:
@@ -118,6 +206,19 @@ class AudioReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _two_durations(a: int, b: int, rate: int) -> tuple[str, str]:
+    """Two sample counts as seconds, with enough decimals (2 to 6) to tell different counts apart."""
+    digits = 2
+    while digits < 6 and f"{a / rate:.{digits}f}" == f"{b / rate:.{digits}f}":
+        digits += 1
+    return f"{a / rate:.{digits}f} s", f"{b / rate:.{digits}f} s"
+
+
+def _amount(n: int, rate: int) -> str:
+    """A sample count with its duration: '104 samples (2.4 ms)' or '5715 samples (0.13 s)'."""
+    return f"{n} samples ({n / rate * 1000:.1f} ms)" if n < rate // 10 else f"{n} samples ({n / rate:.2f} s)"
 
 
 def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioReader:
@@ -131,7 +232,7 @@ def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioRead
         name = name or "<bytes>"
         if not source:
             raise AudioError(name, "empty audio bytes (0 bytes)", "empty")
-        return _open_soundfile(io.BytesIO(source), name, source[:65536], len(source))
+        return _open_soundfile(lambda: sf.SoundFile(io.BytesIO(source)), name, source[:65536], len(source))
     path = Path(source)
     name = name or str(path)
     try:
@@ -153,12 +254,13 @@ def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioRead
             head = f.read(65536)
     except OSError as e:
         raise AudioError(name, f"cannot open the file: {e.strerror or e}", "unreadable") from None
-    return _open_soundfile(str(path), name, head, st.st_size)
+    return _open_soundfile(lambda: sf.SoundFile(str(path)), name, head, st.st_size)
 
 
-def _open_soundfile(source: str | io.BytesIO, name: str, head: bytes, size: int) -> AudioReader:
+def _open_soundfile(opener: Callable[[], sf.SoundFile], name: str, head: bytes, size: int) -> AudioReader:
+    """Open the source with ``opener`` (called again for each later pass) and check its header."""
     try:
-        f = sf.SoundFile(source)
+        f = opener()
     except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as e:
         unknown = "Format not recognised" in str(e) or not _looks_like_audio(head)
         kind = "not_audio" if unknown else "corrupt"
@@ -173,12 +275,13 @@ def _open_soundfile(source: str | io.BytesIO, name: str, head: bytes, size: int)
         declared = _wav_declared_frames(head, size)
         if declared is not None and declared[0] > declared[1]:
             f.close()
-            raise AudioError(name, f"truncated: the header declares {declared[0] / f.samplerate:.2f} s "
-                             f"but the file holds {declared[1] / f.samplerate:.2f} s", "truncated")
+            want, has = _two_durations(declared[0], declared[1], f.samplerate)
+            raise AudioError(name, f"truncated: the header declares {want} but the file holds {has} "
+                             f"({declared[1]} of {declared[0]} samples)", "truncated")
     if frames == 0:
         f.close()
         raise AudioError(name, "no audio samples (0 samples)", "no_samples")
-    return AudioReader(name, f.samplerate, frames, f.channels, soundfile=f)
+    return AudioReader(name, f.samplerate, frames, f.channels, soundfile=f, reopen=opener)
 
 
 _MAGIC = (b"RIFF", b"RIFX", b"RF64", b"fLaC", b"OggS", b"ID3", b"FORM", b".snd", b"\xff\xfb", b"\xff\xf3",
@@ -220,8 +323,10 @@ class AudioStats:
 
     frames: int
     sample_rate: int
-    peak: float  # max |x|
+    peak: float  # max |x| as decoded (before ``gain``)
     non_finite: int  # NaN or inf samples
+    gain: float = 1.0  # the scale resampled_blocks applies: 1/peak above MAX_PEAK, else 1
+    warnings: list[AudioWarning] = field(default_factory=list)  # odd but usable: record them
 
     @property
     def peak_dbfs(self) -> float:
@@ -237,7 +342,11 @@ class AudioStats:
 
 def scan(reader: AudioReader) -> AudioStats:
     """Decode a track once, in blocks, and check it: raises AudioError for decode errors, truncation,
-    no samples or non-finite samples; returns its length and peak."""
+    no samples or non-finite samples; returns its length, peak and warnings.
+
+    Peak policy: a peak above ``MAX_PEAK`` sets ``reader.gain`` to 1/peak, so ``resampled_blocks``
+    gives the track at a peak of 1.0, and records the warning ``over_full_scale``.
+    """
     frames, peak, bad = 0, 0.0, 0
     for block in reader.blocks():
         finite = np.isfinite(block)
@@ -250,7 +359,11 @@ def scan(reader: AudioReader) -> AudioStats:
         raise AudioError(reader.name, "no audio samples (0 samples)", "no_samples")
     if bad:
         raise AudioError(reader.name, f"{bad} of {frames} samples are not finite (NaN or inf)", "non_finite")
-    return AudioStats(frames, reader.sample_rate, peak, bad)
+    reader.gain = 1.0 / peak if peak > MAX_PEAK else 1.0
+    if peak > MAX_PEAK:
+        reader.warn("over_full_scale", f"peak {peak:.4g} ({20 * math.log10(peak):+.1f} dBFS) is above "
+                    f"{MAX_PEAK:g}: scaled by 1/{peak:.4g} to a peak of 1.0")
+    return AudioStats(frames, reader.sample_rate, peak, bad, reader.gain, list(reader.warnings))
 
 
 class StreamResampler:
@@ -310,7 +423,8 @@ class StreamResampler:
 
 
 def resampled_blocks(reader: AudioReader, block_frames: int | None = None) -> Iterator[torch.Tensor]:
-    """The track as float32 mono 24 kHz blocks [k] (lengths vary; their concatenation is the track)."""
+    """The track as float32 mono 24 kHz blocks [k] (lengths vary; their concatenation is the track),
+    scaled by ``reader.gain`` (which ``scan`` sets)."""
     resampler = StreamResampler(reader.sample_rate)
     pending = None
     for block in reader.blocks(block_frames):
@@ -319,6 +433,8 @@ def resampled_blocks(reader: AudioReader, block_frames: int | None = None) -> It
             if len(out):
                 yield out
         pending = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
+        if reader.gain != 1.0:
+            pending = pending * reader.gain  # a new tensor: the block may be the caller's array
     if pending is not None:
         out = resampler.process(pending, last=True)
         if len(out):
@@ -372,7 +488,8 @@ def from_array(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "
 
 
 def _read_all(reader: AudioReader) -> torch.Tensor:
-    scan(reader)
+    for w in scan(reader).warnings:  # these helpers return a tensor only: say it where it will be seen
+        warnings.warn(str(w), AudioFileWarning, stacklevel=3)
     blocks = list(resampled_blocks(reader))
     if not blocks:
         raise AudioError(reader.name, f"no samples left after resampling to {SAMPLE_RATE} Hz", "too_short")
