@@ -23,7 +23,7 @@ import librosa
 import numpy as np
 import torch
 
-from musiclm_stab.cqt import CQT
+from musiclm_stab.model.cqt import CQT
 
 SR, HOP, FMIN, N_BINS, BPO = 24_000, 320, 32.7, 336, 48
 

@@ -53,17 +53,17 @@ def make_audio(path: Path, seconds: float) -> str:
     n = int(seconds * SR)
     with sf.SoundFile(path, "w", SR, 1, "PCM_16") as f:
         try:
-            from musiclm_stab import corpus
+            from musiclm_stab.corpus import chorales, render
 
             written, names = 0, []
-            for source in corpus.chorale_sources():
+            for source in chorales.chorale_sources():
                 if written >= n:
                     break
                 try:
-                    track = corpus.plan_track(source, seed=0, ensemble="string quartet")
+                    track = chorales.plan_track(source, seed=0, ensemble="string quartet")
                 except Exception:  # a few scores cannot be voiced: the corpus builder skips them too
                     continue
-                audio = corpus.render_track(track, SR).mean(axis=1)[: n - written]
+                audio = render.render_track(track, SR).mean(axis=1)[: n - written]
                 f.write(audio)
                 written += len(audio)
                 names.append(Path(source).stem)
@@ -98,7 +98,8 @@ def make_run(root: Path) -> Path:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from musiclm_stab.features import extract_features, extract_folder, load_feature_model
+    from musiclm_stab.export.feature_files import extract_folder
+    from musiclm_stab.export.features import extract_features, load_feature_model
 
     model = load_feature_model(args.run, "cpu")
     baseline = rss_mb()
@@ -128,7 +129,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def agreement(args: argparse.Namespace) -> None:
-    from musiclm_stab.features import chunking_error, load_feature_model
+    from musiclm_stab.export.features import chunking_error, load_feature_model
 
     model = load_feature_model(args.run, "cpu")
     for global_stats in (True, False):

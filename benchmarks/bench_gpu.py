@@ -20,7 +20,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from musiclm_stab.config import ModelConfig
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -11,8 +11,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from reference_dropout import torch_dropout
 
-from musiclm_stab.model.attention import attend, fast_dropout, torch_dropout
+from musiclm_stab.model.attention import attend, fast_dropout
 
 
 def best_ms(fn, repeats: int) -> float:

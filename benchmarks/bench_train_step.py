@@ -16,14 +16,14 @@ import contextlib
 import time
 
 import torch
+from reference_dropout import torch_dropout
 from torch.utils.flop_counter import FlopCounterMode
 
 from musiclm_stab.config import ModelConfig
-from musiclm_stab.losses import acoustic_losses, musical_loss
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.model.attention import torch_dropout
 from musiclm_stab.model.frontend import PAD
+from musiclm_stab.model.objective import acoustic_losses, musical_loss
 
 
 class PeerMLM(torch.nn.Module):

@@ -5,7 +5,7 @@ Same as ``musiclm-stab build-corpus``; see data/README.md for what it makes and 
 
 import sys
 
-from musiclm_stab.corpus import cli_main
+from musiclm_stab.corpus.build import cli_main
 
 if __name__ == "__main__":
     sys.exit(cli_main(sys.argv[1:]))

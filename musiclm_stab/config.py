@@ -1,7 +1,8 @@
 """Typed run configuration: the single source of truth for every setting of a run.
 
 A recipe is a small YAML file with the sections below (`data`, `model`, `optim`, `train`); anything
-not given takes the dataclass default. Command-line overrides use dotted keys:
+not given takes the dataclass default. Overlays (recipes/overlays/*.yaml) are recipes layered after
+another: ``--config recipe.yaml --config recipes/overlays/tiny.yaml``. Command-line overrides use dotted keys:
 ``--model.norm_scheme=post --train.max_steps=20``. The fully resolved config is written to
 ``runs/<name>/config.yaml`` and is what evaluation, plotting and export read back.
 
@@ -216,10 +217,6 @@ class TrainConfig:
     spike_z: float = 6.0
     spike_min_rel: float = 0.1
     max_rollbacks: int = 10
-    # Fault injection, for testing the stability tools end to end: at this step, make every gradient
-    # NaN (inject_nan_at) or multiply the loss by 1000 (inject_spike_at).
-    inject_nan_at: int | None = None
-    inject_spike_at: int | None = None
 
     def validate(self) -> None:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
@@ -330,14 +327,17 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(section, parts[1], _coerce(dotted, value, hints[parts[1]]))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a recipe YAML (optional), apply ``section.key=value`` overrides, validate.
+def load_config(path: str | Path | list[str | Path] | tuple | None = None, overrides: list[str] | None = None
+                ) -> Config:
+    """Read a recipe YAML, or several layered in order (a recipe, then overlays such as
+    recipes/overlays/tiny.yaml: a later file sets what it names, the rest stays), apply ``section.key=value``
+    overrides, validate.
 
     Raises ConfigError naming the offending setting and the valid choices.
     """
     cfg = Config()
-    if path is not None:
-        path = Path(path)
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    for path in map(Path, paths):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         raw = yaml.safe_load(path.read_text()) or {}

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from musiclm_stab import checkpoint, train
+from musiclm_stab.training import checkpoint
+from musiclm_stab.training import trainer as train
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py with a fault (TRAIN_FAULT)

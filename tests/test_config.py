@@ -100,7 +100,7 @@ def test_yaml_words_stay_strings(tmp_path):
 def test_bad_data_path_is_a_clear_error_before_any_work(tmp_path, capsys, make):
     """A data.path that does not exist, or is a folder but not a tokenized dataset: exit code 2 and one
     line naming data.path, not a traceback; no run directory is left behind."""
-    from musiclm_stab.train import main
+    from musiclm_stab.training.trainer import main
 
     data = tmp_path / "tokens"
     if make == "not_tokenized":

@@ -10,14 +10,15 @@ pytest.importorskip("music21")
 pytest.importorskip("tinysoundfont")
 pytest.importorskip("pretty_midi")
 
-from musiclm_stab import cli, corpus  # noqa: E402
+from musiclm_stab import cli  # noqa: E402
+from musiclm_stab.corpus import build, chorales, render, works  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Three full-length tracks, seed 0, default settings (44.1 kHz stereo FLAC)."""
     out = tmp_path_factory.mktemp("corpus")
-    return out, corpus.build_corpus(out, num_tracks=3, seed=0, progress=False)
+    return out, build.build_corpus(out, num_tracks=3, seed=0, progress=False)
 
 
 def test_tracks_are_real_audio_at_the_sample_rate(built):
@@ -37,24 +38,24 @@ def test_tracks_are_real_audio_at_the_sample_rate(built):
 def test_instruments_vary_across_voices_and_tracks(built):
     """Neighbouring tracks use different ensembles and the corpus is not one instrument throughout."""
     out, _ = built
-    rows = corpus.read_manifest(out)
+    rows = build.read_manifest(out)
     ensembles = [r["ensemble"] for r in rows]
     assert len(set(ensembles)) == 3
     programs = {i["program"] for r in rows for i in r["instruments"]}
     assert len(programs) >= 3
     for r in rows:
-        assert [i["voice"] for i in r["instruments"]] == list(corpus.VOICES)
-        assert all(i["instrument"] == corpus.GM_NAMES[i["program"]] for i in r["instruments"])
+        assert [i["voice"] for i in r["instruments"]] == list(chorales.VOICES)
+        assert all(i["instrument"] == render.GM_NAMES[i["program"]] for i in r["instruments"])
 
 
 def test_manifest_and_corpus_json_describe_the_files(built):
     """manifest.jsonl has one row per file with source, tempo, duration and licence; corpus.json the config."""
     out, paths = built
-    rows = corpus.read_manifest(out)
+    rows = build.read_manifest(out)
     assert [r["file"] for r in rows] == [p.name for p in paths]
     for r, p in zip(rows, paths, strict=True):
-        assert r["source"].startswith("bach/") and r["source"] in corpus.chorale_sources()
-        assert corpus.TEMPO_QPM[0] <= r["tempo_qpm"] <= corpus.TEMPO_QPM[1]
+        assert r["source"].startswith("bach/") and r["source"] in chorales.chorale_sources()
+        assert chorales.TEMPO_QPM[0] <= r["tempo_qpm"] <= chorales.TEMPO_QPM[1]
         assert r["seconds"] == pytest.approx(sf.info(p).duration, abs=1e-3)
         assert (r["sample_rate"], r["channels"]) == (44100, 2)
         assert "public domain" in r["licence"] and "GPL-2" in r["licence"]
@@ -66,14 +67,14 @@ def test_manifest_and_corpus_json_describe_the_files(built):
         "sample_rate": 44100,
         "fmt": "flac",
         "max_seconds": None,
-        "version": corpus.CORPUS_VERSION,
+        "version": build.CORPUS_VERSION,
     }
 
 
 def test_same_seed_gives_identical_bytes(built, tmp_path):
     """A second build with the same seed writes byte-identical files (and a smaller corpus is a prefix)."""
     _, paths = built
-    again = corpus.build_corpus(tmp_path, num_tracks=2, seed=0, progress=False)
+    again = build.build_corpus(tmp_path, num_tracks=2, seed=0, progress=False)
     assert [p.name for p in again] == [p.name for p in paths[:2]]
     for a, b in zip(again, paths[:2], strict=True):
         assert a.read_bytes() == b.read_bytes()
@@ -81,10 +82,10 @@ def test_same_seed_gives_identical_bytes(built, tmp_path):
 
 def test_different_seed_gives_different_audio(tmp_path):
     """Seeds 0 and 1 pick different chorales and produce different audio."""
-    a = corpus.build_corpus(tmp_path / "s0", num_tracks=2, seed=0, max_seconds=6, progress=False)
-    b = corpus.build_corpus(tmp_path / "s1", num_tracks=2, seed=1, max_seconds=6, progress=False)
-    assert {r["source"] for r in corpus.read_manifest(tmp_path / "s0")}.isdisjoint(
-        r["source"] for r in corpus.read_manifest(tmp_path / "s1")
+    a = build.build_corpus(tmp_path / "s0", num_tracks=2, seed=0, max_seconds=6, progress=False)
+    b = build.build_corpus(tmp_path / "s1", num_tracks=2, seed=1, max_seconds=6, progress=False)
+    assert {r["source"] for r in build.read_manifest(tmp_path / "s0")}.isdisjoint(
+        r["source"] for r in build.read_manifest(tmp_path / "s1")
     )
     for pa, pb in zip(a, b, strict=True):
         xa, xb = sf.read(pa)[0], sf.read(pb)[0]
@@ -100,40 +101,40 @@ def test_rerun_with_same_config_does_not_render(built, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("render_track called on an idempotent rerun")
 
-    monkeypatch.setattr(corpus, "render_track", fail)
-    assert corpus.build_corpus(out, num_tracks=3, seed=0, progress=False) == paths
+    monkeypatch.setattr(build, "render_track", fail)
+    assert build.build_corpus(out, num_tracks=3, seed=0, progress=False) == paths
     assert [p.stat().st_mtime_ns for p in paths] == mtimes
 
 
 def test_other_config_refused_unless_overwrite(tmp_path):
     """A dir holding a different corpus is refused with a clear message; overwrite=True replaces it."""
-    corpus.build_corpus(tmp_path, num_tracks=2, seed=0, max_seconds=3, progress=False)
+    build.build_corpus(tmp_path, num_tracks=2, seed=0, max_seconds=3, progress=False)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="overwrite"):
-        corpus.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, progress=False)
-    paths = corpus.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, overwrite=True, progress=False)
+        build.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, progress=False)
+    paths = build.build_corpus(tmp_path, num_tracks=1, seed=5, max_seconds=3, overwrite=True, progress=False)
     audio = sorted(p.name for p in tmp_path.glob("*.flac"))
-    assert audio == [paths[0].name] and len(corpus.read_manifest(tmp_path)) == 1
+    assert audio == [paths[0].name] and len(build.read_manifest(tmp_path)) == 1
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_wav_format_sample_rate_and_max_seconds(tmp_path):
     """fmt='wav', another sample rate and max_seconds give exactly that file type, rate and length."""
-    (path,) = corpus.build_corpus(
+    (path,) = build.build_corpus(
         tmp_path, num_tracks=1, seed=3, sample_rate=22050, fmt="wav", max_seconds=4.0, progress=False
     )
     info = sf.info(path)
     assert (path.suffix, info.format, info.samplerate, info.frames) == (".wav", "WAV", 22050, 4 * 22050)
     with pytest.raises(ValueError, match="flac"):
-        corpus.build_corpus(tmp_path / "x", num_tracks=1, fmt="mp3")
+        build.build_corpus(tmp_path / "x", num_tracks=1, fmt="mp3")
 
 
 def _silent_keys(uses: dict[int, set[str]], ranges: dict[str, tuple[int, int]]) -> list[tuple[str, int]]:
     """(program name, key) of every key in the ranges a program is used for that TimGM6mb leaves silent."""
     import tinysoundfont
 
-    assert set(uses) <= set(corpus.GM_NAMES)
-    soundfont = corpus.soundfont_path().read_bytes()
+    assert set(uses) <= set(render.GM_NAMES)
+    soundfont = render.soundfont_path().read_bytes()
     silent = []
     for program, parts in sorted(uses.items()):
         synth = tinysoundfont.Synth(samplerate=8000)
@@ -145,7 +146,7 @@ def _silent_keys(uses: dict[int, set[str]], ranges: dict[str, tuple[int, int]]) 
             synth.sounds_off(0)
             synth.generate_simple(80)
             if np.sqrt(np.mean(audio**2)) < 1e-3:
-                silent.append((corpus.GM_NAMES[program], key))
+                silent.append((render.GM_NAMES[program], key))
     return silent
 
 
@@ -153,24 +154,24 @@ def test_every_instrument_sounds_on_every_key_its_voices_sing():
     """Each program the corpus can pick has a TimGM6mb sample for every key of its voices' chorale range."""
     chorale_range = {"Soprano": (59, 81), "Alto": (52, 74), "Tenor": (45, 69), "Bass": (33, 64)}
     uses = {}  # program -> voices it can play
-    for programs in corpus.ENSEMBLES.values():
-        for voice, program in zip(corpus.VOICES, programs, strict=True):
-            for p in corpus.MIXED_POOLS[voice] if program < 0 else (program,):
+    for programs in chorales.ENSEMBLES.values():
+        for voice, program in zip(chorales.VOICES, programs, strict=True):
+            for p in chorales.MIXED_POOLS[voice] if program < 0 else (program,):
                 uses.setdefault(p, set()).add(voice)
     assert _silent_keys(uses, chorale_range) == []
 
 
 def test_chorale_sources_and_skipping_a_non_chorale(tmp_path, monkeypatch, caplog):
     """Sources are the MusicXML Bach files; a score without S/A/T/B parts is skipped with a logged reason."""
-    sources = corpus.chorale_sources()
+    sources = chorales.chorale_sources()
     assert len(sources) == 410 and all(
         s.startswith("bach/bwv") and s.endswith((".mxl", ".xml")) for s in sources
     )
     with pytest.raises(ValueError, match="no Soprano/Alto/Tenor/Bass part"):
-        corpus.plan_track("bach/bwv846.mxl", seed=0, ensemble="piano")  # a keyboard prelude, not a chorale
-    monkeypatch.setattr(corpus, "chorale_sources", lambda: ["bach/bwv846.mxl", "bach/bwv1.6.mxl"])
-    with caplog.at_level("WARNING", logger="musiclm_stab.corpus"):
-        (path,) = corpus.build_corpus(tmp_path, num_tracks=1, seed=0, max_seconds=2, progress=False)
+        chorales.plan_track("bach/bwv846.mxl", seed=0, ensemble="piano")  # a keyboard prelude, not a chorale
+    monkeypatch.setattr(chorales, "chorale_sources", lambda: ["bach/bwv846.mxl", "bach/bwv1.6.mxl"])
+    with caplog.at_level("WARNING", logger="musiclm_stab.corpus.chorales"):
+        (path,) = build.build_corpus(tmp_path, num_tracks=1, seed=0, max_seconds=2, progress=False)
     assert path.name == "000_bwv1.6.flac"
     assert "skipping bach/bwv846.mxl: ValueError" in caplog.text
 
@@ -187,47 +188,41 @@ def test_cli_prints_tracks_minutes_and_time(tmp_path, capsys):
 def test_hours_preset_interleaves_collections_with_licences(tmp_path):
     """The "hours" preset's first tracks come from several collections in the planned order, each with
     its source, instruments and licence; a smaller build with the same seed is a byte-identical prefix."""
-    from musiclm_stab import corpus_works
-
-    paths = corpus.build_corpus(tmp_path / "a", num_tracks=5, seed=0, preset="hours", max_seconds=3, progress=False)
-    rows = corpus.read_manifest(tmp_path / "a")
-    planned = [name for name, _ in corpus_works.preset_order("hours", 0)[:5]]
+    paths = build.build_corpus(tmp_path / "a", num_tracks=5, seed=0, preset="hours", max_seconds=3, progress=False)
+    rows = build.read_manifest(tmp_path / "a")
+    planned = [name for name, _ in build.preset_order("hours", 0)[:5]]
     assert [r["collection"] for r in rows] == planned and len(set(planned)) >= 3
     for r, p in zip(rows, paths, strict=True):
         assert "public domain" in r["licence"] and "GPL-2" in r["licence"]
-        assert r["instruments"] and all(i["instrument"] == corpus.GM_NAMES[i["program"]] for i in r["instruments"])
+        assert r["instruments"] and all(i["instrument"] == render.GM_NAMES[i["program"]] for i in r["instruments"])
         assert sf.info(p).duration == pytest.approx(3.0, abs=1e-3)
     config = json.loads((tmp_path / "a" / "corpus.json").read_text())["config"]
     assert (config["preset"], config["max_seconds"]) == ("hours", 3)
-    again = corpus.build_corpus(tmp_path / "b", num_tracks=3, seed=0, preset="hours", max_seconds=3, progress=False)
+    again = build.build_corpus(tmp_path / "b", num_tracks=3, seed=0, preset="hours", max_seconds=3, progress=False)
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in paths[:3]]
     with pytest.raises(ValueError, match="at most 256"):
-        corpus.build_corpus(tmp_path / "c", num_tracks=1000, preset="hours")
+        build.build_corpus(tmp_path / "c", num_tracks=1000, preset="hours")
 
 
 def test_sources_whose_notice_reserves_rights_are_left_out():
     """Collections skip files with a reserved-rights notice (Ut Orpheus' madrigal editions, CCARH Humdrum
     files) and have enough music for the preset's quotas."""
-    from musiclm_stab import corpus_works
-
-    madrigals = corpus_works.collection_sources("madrigals")
+    madrigals = works.collection_sources("madrigals")
     assert len(madrigals) == 47 and all(m.endswith(".mxl") for m in madrigals)  # 49 in music21, 2 excluded
-    for name, quota in corpus_works.PRESETS["hours"].items():
-        sources = corpus.chorale_sources() if name == "chorales" else corpus_works.collection_sources(name)
+    for name, quota in build.PRESETS["hours"].items():
+        sources = chorales.chorale_sources() if name == "chorales" else works.collection_sources(name)
         assert len(sources) >= quota, name
         assert not any(s.endswith(".krn") or s.startswith("palestrina/") for s in sources)
 
 
 def test_every_register_instrument_sounds_across_its_range():
     """Every GM program the works' ensembles can pick has a TimGM6mb sample for every key of its register."""
-    from musiclm_stab import corpus_works
-
     ranges = {"high": (60, 93), "mid": (48, 79), "low": (28, 67), "solo": (55, 93)}
     uses: dict[int, set[str]] = {}
-    for family in corpus_works.FAMILIES.values():
+    for family in works.FAMILIES.values():
         for register, programs in family.items():
             for p in programs:
                 uses.setdefault(p, set()).add(register)
-    for p in corpus_works.SOLO:
+    for p in works.SOLO:
         uses.setdefault(p, set()).add("solo")
     assert _silent_keys(uses, ranges) == []

@@ -1,4 +1,4 @@
-"""Tests for musiclm_stab.cqt: shapes, bin placement, scale, agreement with librosa and a direct evaluation."""
+"""Tests for musiclm_stab.model.cqt: shapes, bin placement, scale, agreement with librosa and a direct evaluation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import musiclm_stab.cqt as cqt_module
-from musiclm_stab.cqt import CQT, relative_bandwidth
+import musiclm_stab.model.cqt as cqt_module
+from musiclm_stab.model.cqt import CQT, relative_bandwidth
 
 SR, HOP = 24_000, 320
 

@@ -10,8 +10,8 @@ from musiclm_stab.data import (
     CropDataset,
     EpochSampler,
     StreamingCrops,
-    _str_key,
     eval_tracks,
+    example_key,
     noise_mixup,
     split_indices,
 )
@@ -122,7 +122,7 @@ def test_streaming_processes_read_disjoint_examples_covering_the_epoch(tokenized
     the next one shuffled differently; skip resumes mid-epoch; loader workers change nothing."""
     stream, _ = load_tokenized(tokenized_dataset, streaming=True)
     train_idx, _ = split_indices(hf["track"], 0.3)
-    expected = {_str_key(hf[i]["id"]) for i in train_idx}  # 2 tracks x (10 s + 2 s), all >= the 2 s crop
+    expected = {example_key(hf[i]["id"]) for i in train_idx}  # 2 tracks x (10 s + 2 s), all >= the 2 s crop
     kw = dict(eval_fraction=0.3, crop_seconds=2.0, seed=4, shuffle_buffer=3)
     one = StreamingCrops(stream, batch_size=2, **kw)
     ranks = [StreamingCrops(stream, batch_size=1, rank=r, world_size=2, **kw) for r in range(2)]

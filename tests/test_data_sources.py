@@ -7,10 +7,10 @@ import json
 import pytest
 import yaml
 
+from musiclm_stab.analysis.evaluate import evaluate
 from musiclm_stab.config import load_config
-from musiclm_stab.evaluate import evaluate
 from musiclm_stab.tokenize import merge_shards, tokenize
-from musiclm_stab.train import Trainer
+from musiclm_stab.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 

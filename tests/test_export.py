@@ -10,20 +10,12 @@ from safetensors.torch import save_file
 from torch.testing import assert_close
 
 from musiclm_stab.config import Config, save_config
-from musiclm_stab.export import (
-    ATOL,
-    RTOL,
-    ExportError,
-    cli_main,
-    export,
-    load_checkpoint,
-    load_heads,
-    mlm_losses,
-    pad_for_export,
-)
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
+from musiclm_stab.export.exported import load_heads, mlm_losses, pad_for_export
+from musiclm_stab.export.hubert import ATOL, RTOL, ExportError, cli_main, export
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.norm_schemes import deepnorm_alpha
+from musiclm_stab.training.trained import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,7 +137,7 @@ def test_inexpressible_settings_are_refused(tmp_path, setting, match):
 
 def test_failed_verification_is_loud(tmp_path, monkeypatch):
     """A mapping error fails the export naming the layer, even one last_hidden_state hides; no OUT_DIR."""
-    import musiclm_stab.export as ex
+    import musiclm_stab.export.hubert as ex
 
     mapped = ex.hubert_state_dict
 

@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 from torch.testing import assert_close
 
 from musiclm_stab.config import Config, save_config
-from musiclm_stab.features import (
+from musiclm_stab.export.feature_files import cli_main
+from musiclm_stab.export.features import (
     chunk_plan,
     chunking_error,
-    cli_main,
     extract_features,
     load_feature_model,
     resolve_layers,
@@ -117,7 +117,7 @@ def test_any_length_gives_ceil_frames(model, make_music):
 def test_export_dir_gives_our_features(tmp_path, run_dir, model, make_music):
     """Chunked features from an export (transformers HubertModel) equal ours within the export tolerance."""
     pytest.importorskip("transformers")
-    from musiclm_stab.export import export
+    from musiclm_stab.export.hubert import export
 
     export(run_dir, tmp_path / "hf", seconds=2.0)
     hf = load_feature_model(tmp_path / "hf", "cpu")

@@ -2,7 +2,7 @@
 
 import torch
 
-from musiclm_stab.masking import expected_mask_fraction, span_mask
+from musiclm_stab.data.masking import expected_mask_fraction, span_mask
 
 
 def test_masked_fraction_matches_exact_expectation():

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from musiclm_stab.config import ModelConfig
-from musiclm_stab.losses import acoustic_losses
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.model.frontend import ConvFrontend
+from musiclm_stab.model.objective import acoustic_losses
 
 TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32, dropout=0.0,
             attention_dropout=0.0, feature_dropout=0.0)

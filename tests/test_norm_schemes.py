@@ -20,7 +20,7 @@ from musiclm_stab.config import (
     ModelConfig,
     load_config,
 )
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.attention import SelfAttention, attend
 from musiclm_stab.model.encoder import Encoder, EncoderLayer, FeedForward

@@ -1,4 +1,4 @@
-"""Tests for musiclm_stab.plot: legend text, reading run directories, and the study's four figures."""
+"""Tests for musiclm_stab.analysis.plot: legend text, reading run directories, and the study's four figures."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 from matplotlib.colors import same_color
 
 from musiclm_stab import cli
-from musiclm_stab.config import Config, save_config
-from musiclm_stab.plot import (
+from musiclm_stab.analysis.plot import (
     RAW_ALPHA,
     ROLLBACK_LABEL,
     SKIPPED_LABEL,
@@ -24,6 +23,7 @@ from musiclm_stab.plot import (
     read_run,
     run_label,
 )
+from musiclm_stab.config import Config, save_config
 
 STUDY_LABELS = [
     "Pre-Norm | Gradient Clip=10 | Run 1",

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import load_config
-from musiclm_stab.masking import span_mask
+from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.plot import run_label
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -22,14 +22,14 @@ STUDY = {
 }
 
 
-def _twin_overrides(path: Path) -> list[str]:
-    """The tiny-twin override line documented in the recipe's header comment."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#") and "--model.size=tiny" in ln]
+def _twin_command(path: Path) -> list[str]:
+    """The tiny-twin command documented in the recipe's header comment: the recipe, then the overlay."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#") and "overlays/tiny.yaml" in ln]
     assert len(lines) == 1, f"{path.name}: expected one documented tiny-twin command"
     argv = shlex.split(lines[0].lstrip("# "))  # what the shell would pass
-    assert argv[:5] == ["accelerate", "launch", "recipes/pretrain.py", "--config", f"recipes/{path.name}"]
-    assert all(a.startswith("--") and "=" in a for a in argv[5:])
-    return argv[5:]
+    assert argv == ["accelerate", "launch", "recipes/pretrain.py", "--config", f"recipes/{path.name}",
+                    "--config", "recipes/overlays/tiny.yaml"]
+    return [RECIPES.parent / argv[4], RECIPES.parent / argv[6]]
 
 
 def test_study_recipe_set_is_complete():
@@ -65,14 +65,14 @@ def test_study_recipe_legend(stem):
 
 @pytest.mark.parametrize("stem", STUDY)
 def test_tiny_twin_validates_and_runs(stem):
-    """The documented tiny-twin overrides validate, keep the run's identity, and run fwd/bwd on CPU in bf16."""
+    """The documented tiny twin (recipe + overlay) validates, keeps the run's identity, and runs fwd/bwd on CPU
+    in bf16."""
     label, scheme, attention, clip, run = STUDY[stem]
-    overrides = _twin_overrides(RECIPES / f"{stem}.yaml")
-    cfg = load_config(RECIPES / f"{stem}.yaml", overrides)
+    cfg = load_config(_twin_command(RECIPES / f"{stem}.yaml"))
     m = cfg.model.resolved()
     assert (m.size, m.num_layers, m.width) == ("tiny", 2, 128)
     assert (m.norm_scheme, m.attention, cfg.optim.clip_grad, cfg.train.run) == (scheme, attention, clip, run)
-    assert cfg.train.mixed_precision == "bf16" and cfg.train.name == f"{stem}_tiny"
+    assert cfg.train.mixed_precision == "bf16" and cfg.train.name == stem
     assert run_label(cfg.to_dict()) == label
 
     threads = torch.get_num_threads()

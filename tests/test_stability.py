@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from musiclm_stab.config import OptimConfig, TrainConfig, load_config
-from musiclm_stab.stability import GradClipper, SpikeGuard
-from musiclm_stab.train import Trainer
+from musiclm_stab.training.stability import GradClipper, SpikeGuard
+from musiclm_stab.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 
@@ -21,6 +21,30 @@ def tiny_cfg(data, tmp_path, *overrides):
         f"--data.path={data}", f"--train.output_dir={tmp_path}", "--train.name=run", "--data.crop_seconds=2.0",
         "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1", "--train.checkpoint_every=2",
         "--train.keep_checkpoints=10", *overrides])
+
+
+class FaultyTrainer(Trainer):
+    """The real trainer with faults injected once through its seams: at step ``nan_at`` every gradient is
+    NaN, at ``spike_at`` the loss is multiplied by 1000 (once, even when a rollback replays the step)."""
+
+    def __init__(self, cfg, nan_at=None, spike_at=None):
+        super().__init__(cfg)
+        self.due = {"nan": nan_at, "spike": spike_at}
+
+    def _fire(self, fault, step):
+        if self.due[fault] == step:
+            self.due[fault] = None
+            return True
+        return False
+
+    def perturb_loss(self, step, loss):
+        return loss * 1000.0 if self._fire("spike", step) else loss
+
+    def perturb_grads(self, step):
+        if self._fire("nan", step):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
 
 
 def rows(run_dir):
@@ -49,7 +73,7 @@ def test_nonfinite_gradient_leaves_state_untouched(tokenized_dataset, tmp_path):
 
 def test_injected_nan_is_logged_and_training_goes_on(tokenized_dataset, tmp_path):
     """Through the real loop: the NaN step is logged as skipped_step=1 and the next steps train normally."""
-    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=4", "--train.inject_nan_at=2")).run()
+    run_dir = FaultyTrainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=4"), nan_at=2).run()
     r = rows(run_dir)
     assert [x["skipped_step"] for x in r] == [0, 1, 0, 0]
     assert math.isnan(r[1]["grad_norm"]) and all(math.isfinite(x["grad_norm"]) for x in r[2:])
@@ -57,9 +81,9 @@ def test_injected_nan_is_logged_and_training_goes_on(tokenized_dataset, tmp_path
 
 def test_spike_triggers_rollback_and_skip(tokenized_dataset, tmp_path):
     """An injected loss spike rolls back to the last checkpoint, skips its batches, and training finishes."""
-    cfg = tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=8", "--train.inject_spike_at=6",
-                   "--train.spike_guard=true", "--train.spike_warmup=3", "--train.spike_z=3")
-    trainer = Trainer(cfg)
+    cfg = tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=8", "--train.spike_guard=true",
+                   "--train.spike_warmup=3", "--train.spike_z=3")
+    trainer = FaultyTrainer(cfg, spike_at=6)
     run_dir = trainer.run()
     r = rows(run_dir)
     events = [x for x in r if x.get("event") == "rollback"]
@@ -74,7 +98,7 @@ def test_spike_triggers_rollback_and_skip(tokenized_dataset, tmp_path):
 
 def test_guard_off_by_default(tokenized_dataset, tmp_path):
     """Without spike_guard, an injected spike is trained through (no rollback event)."""
-    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=3", "--train.inject_spike_at=2")).run()
+    run_dir = FaultyTrainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=3"), spike_at=2).run()
     assert not [x for x in rows(run_dir) if "event" in x]
 
 

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
-from musiclm_stab.plot import run_label
-from musiclm_stab.study import (
-    CPU_SCALE,
+from musiclm_stab.experiments.study import (
+    CPU_OVERLAYS,
     STUDY_RECIPES,
     cli_main,
     merge_overrides,
     plan_study,
     recipe_path,
     run_study,
-    tiny_twin_overrides,
 )
 
 LABELS = [
@@ -50,18 +49,16 @@ def test_full_print_only_lines_are_the_recipes(tmp_path, capsys):
     assert plot[6:] == ["--out", str(runs / "study_figures")]
 
 
-def test_tiny_twin_overrides_come_from_the_recipe_header():
-    """The twin overrides are the --key=value words of the header line that sets --model.size=tiny."""
+def test_recipe_headers_show_the_tiny_twin_overlay_command():
+    """Each study recipe's header shows the command that layers the tiny-twin overlay on it."""
     for stem in STUDY_RECIPES:
-        overrides = tiny_twin_overrides(recipe_path(stem))
-        assert "--model.size=tiny" in overrides and f"--train.name={stem}_tiny" in overrides
-        assert all(o.startswith("--") and "=" in o for o in overrides)
-        header = [ln for ln in recipe_path(stem).read_text().splitlines() if "--model.size=tiny" in ln][0]
-        assert " ".join(overrides) in header
+        text = recipe_path(stem).read_text()
+        assert f"--config recipes/{stem}.yaml --config recipes/overlays/tiny.yaml" in text
+        assert CPU_OVERLAYS[0].name == "tiny.yaml" and all(p.is_file() for p in CPU_OVERLAYS)
 
 
 def test_cpu_plan_validates_and_keeps_study_legends(tmp_path):
-    """CPU scale: tiny twins + CPU_SCALE validate, keep each run's legend, and land in <runs>/<name>."""
+    """CPU scale: recipes + CPU_OVERLAYS validate, keep each run's legend, and land in <runs>/<name>."""
     study = plan_study("cpu", tmp_path, data="/data/tokens")
     assert study.figures_dir == tmp_path / "study_cpu" / "figures"
     for run, stem, label in zip(study.runs, STUDY_RECIPES, LABELS):
@@ -74,7 +71,7 @@ def test_cpu_plan_validates_and_keeps_study_legends(tmp_path):
         assert cfg.run_dir == tmp_path / "study_cpu" / f"{stem}_tiny"
         assert cfg.data.path == "/data/tokens"
         assert run_label(cfg.to_dict()) == label
-    assert set(CPU_SCALE) <= set(study.runs[0].overrides)
+    assert study.runs[0].configs[1:] == list(CPU_OVERLAYS)
     short = plan_study("cpu", tmp_path, data="x", steps=7).runs[2].config()
     assert (short.train.max_steps, short.optim.warmup_steps, short.train.checkpoint_every) == (7, 1, 7)
     assert merge_overrides(["--a.b=1", "--c.d=2", "--a.b=3"]) == ["--a.b=3", "--c.d=2"]

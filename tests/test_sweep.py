@@ -11,7 +11,7 @@ import torch
 from matplotlib.colors import same_color
 
 from musiclm_stab.config import ConfigError, load_config
-from musiclm_stab.sweep import (
+from musiclm_stab.experiments.sweep import (
     SweepResult,
     cli_main,
     format_table,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from musiclm_stab import checkpoint
+from musiclm_stab.training import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py with a fault (TRAIN_FAULT)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from musiclm_stab.config import load_config
-from musiclm_stab.train import Trainer
+from musiclm_stab.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 

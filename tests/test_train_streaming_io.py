@@ -21,8 +21,8 @@ import pytest
 import torch
 from datasets.arrow_writer import ArrowWriter
 
-from musiclm_stab import data as data_module
-from musiclm_stab.data import StreamingCrops, _str_key, eval_tracks
+from musiclm_stab.data import StreamingCrops, eval_tracks, example_key
+from musiclm_stab.data import streaming as streaming_module
 from musiclm_stab.tokenize_store import FEATURES
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore/posix_fadvise: Linux")
@@ -141,14 +141,14 @@ def test_a_worker_reads_only_the_crops_of_its_own_rows(files, monkeypatch):
     every worker and process."""
     s = stream(files)
     ds = StreamingCrops(s, 0.2, 2.0, batch_size=2, rank=1, world_size=2)
-    monkeypatch.setattr(data_module, "get_worker_info", lambda: types.SimpleNamespace(id=0, num_workers=2))
+    monkeypatch.setattr(streaming_module, "get_worker_info", lambda: types.SimpleNamespace(id=0, num_workers=2))
     cold(files)
     mine = {it["index"] for b in epoch(ds) for it in b}
     pages = {}
     for f in files:
         pages.update({row_id: (f, p) for row_id, p in pcm_pages(f).items()})
     loaded = {f: resident(f) for f in files}
-    own = [row_id for row_id in pages if _str_key(row_id) in mine]
+    own = [row_id for row_id in pages if example_key(row_id) in mine]
     assert len(own) == len(mine) > 0 and len(pages) - len(own) >= 3 * len(own)
     crop_pages = 150 * 320 * 4 / mmap.PAGESIZE  # 2 s of pcm: 46.9 pages (of 234 for a 10 s row)
     for row_id, (f, p) in pages.items():
@@ -180,7 +180,7 @@ def test_order_is_that_of_the_datasets_stream(files):
                     if tr not in held and n >= 150]
             got = [it for b in epoch(ds, e) for it in b]
             assert len(got) == len(ds) * 3 == len(rows) // 3 * 3
-            assert [it["index"] for it in got] == [_str_key(i) for i, _, _ in rows[:len(got)]]
+            assert [it["index"] for it in got] == [example_key(i) for i, _, _ in rows[:len(got)]]
             for it, (_, pcm, codes) in zip(got, rows):
                 pcm, codes = np.asarray(pcm, np.float32), np.asarray(codes, np.int64)
                 found = [s0 for s0 in range(codes.shape[1] - 149) if np.array_equal(codes[:, s0:s0 + 150],

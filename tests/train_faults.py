@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from musiclm_stab import checkpoint, train
+from musiclm_stab.training import checkpoint
+from musiclm_stab.training import trainer as train
 
 PAUSE_AT = {"files": "write_manifest", "rename": "publish"}
 

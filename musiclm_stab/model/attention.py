@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -22,20 +21,6 @@ from torch import nn
 from musiclm_stab.config import ATTENTION_FORMS, ConfigError
 from musiclm_stab.model.norm_schemes import make_norm
 
-# Off: torch's own dropout and SDPA dropout on CPU too (see torch_dropout).
-CPU_FAST_DROPOUT = True
-
-
-@contextlib.contextmanager
-def torch_dropout():
-    """Within: torch's own dropout (bernoulli_) and SDPA dropout on CPU, as before fast_dropout (benchmarks)."""
-    global CPU_FAST_DROPOUT
-    CPU_FAST_DROPOUT = False
-    try:
-        yield
-    finally:
-        CPU_FAST_DROPOUT = True
-
 
 def fast_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """``F.dropout``, but on CPU the keep mask is drawn as ``rand >= p`` (one fp32 uniform per element)
@@ -43,7 +28,7 @@ def fast_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     On other devices it is ``F.dropout`` itself (fused kernels)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or not CPU_FAST_DROPOUT:
+    if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
     keep = torch.rand(x.shape, dtype=torch.float32) >= p
     return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
@@ -71,7 +56,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str, *, alph
         raise ConfigError(f"model.attention={form!r} is not valid; choose one of: {', '.join(ATTENTION_FORMS)}")
     dropout = dropout if training else 0.0
     if form == "sdpa":
-        if dropout == 0.0 or q.device.type != "cpu" or not CPU_FAST_DROPOUT:
+        if dropout == 0.0 or q.device.type != "cpu":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         # On CPU, SDPA with dropout falls back to the explicit product anyway, drawing its mask with the
         # slow bernoulli_: do the same product here with the faster mask (same result in distribution).

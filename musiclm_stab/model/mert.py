@@ -3,35 +3,22 @@
     wav [B, S] --conv frontend--> [B, T, C] --LN, Linear--> [B, T, D] --mask--> encoder --> [B, T, D]
       masked frames --> acoustic heads: logits [N, K, V] vs EnCodec codes   (CE per codebook)
                     --> musical head:   [N, n_bins]   vs CQT of the clean crop (MSE)
-    loss = sum_k CE_k + musical_weight * MSE + features_pen_weight * mean(features^2)
+    loss: the objective of model/objective.py (sum_k CE_k + musical_weight * MSE + 10 * features penalty)
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from musiclm_stab import SAMPLE_RATE
 from musiclm_stab.config import ModelConfig
-from musiclm_stab.cqt import CQT
-from musiclm_stab.losses import acoustic_losses, musical_loss
 from musiclm_stab.model.attention import fast_dropout
+from musiclm_stab.model.cqt import CQT
 from musiclm_stab.model.encoder import Encoder
 from musiclm_stab.model.frontend import ConvFrontend, GradMultiply
 from musiclm_stab.model.heads import AcousticHeads, MusicalHead
-
-
-@dataclass
-class MLMOutput:
-    loss: torch.Tensor  # scalar: the training objective
-    acoustic_mlm_loss: torch.Tensor  # scalar: sum over codebooks of the per-codebook CE
-    acoustic_ce: torch.Tensor  # [K] CE per codebook
-    acoustic_acc: torch.Tensor  # [K] accuracy per codebook
-    musical_mlm_loss: torch.Tensor  # scalar MSE on CQT magnitudes
-    features_pen: torch.Tensor  # scalar mean(features^2)
-    mask_fraction: torch.Tensor  # scalar: share of frames masked
+from musiclm_stab.model.objective import MLMOutput, mlm_objective
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -69,18 +56,16 @@ class MusicMLM(nn.Module):
             x = torch.where(mask.unsqueeze(-1), self.mask_emb.to(x.dtype), x)
         return self.encoder(x, return_hidden=return_hidden), pen
 
-    def forward(self, wav: torch.Tensor, clean_wav: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor
-                ) -> MLMOutput:
+    def forward(self, wav: torch.Tensor, clean_wav: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor,
+                frame_weight: torch.Tensor | float = 1.0) -> MLMOutput:
         """wav: [B, S] input (maybe noise-mixed); clean_wav: [B, S] for the CQT target;
-        codes: [B, K, T] EnCodec codes of the clean crop; mask: [B, T] bool."""
+        codes: [B, K, T] EnCodec codes of the clean crop; mask: [B, T] bool; frame_weight: see
+        model/objective.py (1 on one process)."""
         x, pen = self.encode(wav, mask)  # (B, T, D)
         if codes.shape[-1] != x.shape[1] or mask.shape != x.shape[:2]:
             raise ValueError(f"codes {tuple(codes.shape)} / mask {tuple(mask.shape)} do not match {x.shape[1]} frames")
         with torch.no_grad():
             cqt = self.cqt(clean_wav)  # (B, T, n_bins), fp32
         h = x[mask]  # (N, D)
-        ce_sum, ce, acc = acoustic_losses(self.acoustic(h), codes.transpose(1, 2)[mask].long())
-        mus = musical_loss(self.musical(h), cqt[mask])
-        loss = ce_sum + self.cfg.musical_weight * mus + self.cfg.features_pen_weight * pen
-        return MLMOutput(loss=loss, acoustic_mlm_loss=ce_sum, acoustic_ce=ce, acoustic_acc=acc,
-                         musical_mlm_loss=mus, features_pen=pen, mask_fraction=mask.float().mean())
+        return mlm_objective(self.acoustic(h), codes, self.musical(h), cqt, pen, mask, self.cfg.musical_weight,
+                             self.cfg.features_pen_weight, frame_weight)

@@ -41,6 +41,17 @@ class SchemeSpec:
     final_norm: bool  # LN after the last layer
 
 
+# Legend text of each scheme in the study's figures: (base norm, modifier or None), e.g. DeepNorm is drawn as
+# "Post-Norm | DeepNorm". Kept beside the schemes so that a new scheme gets its label in the same place.
+LEGEND: dict[str, tuple[str, str | None]] = {
+    "pre": ("Pre-Norm", None),
+    "post": ("Post-Norm", None),
+    "deepnorm": ("Post-Norm", "DeepNorm"),
+    "sandwich": ("Sandwich-Norm", None),
+    "subln": ("Sub-LN", None),
+}
+
+
 def resolve_scheme(name: str, num_layers: int) -> SchemeSpec:
     """The placement, residual scaling and init of scheme ``name`` for an ``num_layers``-layer encoder."""
     n = num_layers

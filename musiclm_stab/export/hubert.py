@@ -52,49 +52,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
-from musiclm_stab.config import ConfigError, ModelConfig, config_from_run
-from musiclm_stab.cqt import CQT
-from musiclm_stab.losses import acoustic_losses, musical_loss
-from musiclm_stab.model import MLMOutput, MusicMLM
-from musiclm_stab.model.frontend import CONV_LAYERS, PAD
-from musiclm_stab.model.heads import AcousticHeads, MusicalHead
+from musiclm_stab.config import ConfigError, ModelConfig
+from musiclm_stab.export.exported import HEADS_FILE, PAD_SAMPLES, PADDING_NOTE, SIDECAR, pad_for_export
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.model.frontend import CONV_LAYERS
 from musiclm_stab.model.norm_schemes import SchemeSpec, resolve_scheme
+from musiclm_stab.training.trained import load_checkpoint
 
-PAD_SAMPLES = PAD  # 40 zero samples on each side
 ATOL, RTOL = 1e-4, 1e-4  # verification tolerance, fp32: |ours - hf| <= ATOL + RTOL * |ours|
-SIDECAR = "musiclm_stab.json"
-HEADS_FILE = "heads.safetensors"
 FORMAT_VERSION = 1
 # HuBERT builds masked_spec_embed only when SpecAugment is on: we keep HF's fine-tuning default rate
 # (it acts only in training mode); the pretraining masking is recorded in musiclm_stab.json.
 SPEC_AUGMENT_PROB = 0.05
-PADDING_NOTE = (
-    "Feed the audio padded with 40 zero samples on each side (musiclm_stab.export.pad_for_export): "
-    "320*T padded samples + 80 give the T frames of the original model, frame t centred on "
-    "sample 320*t + 160 of the unpadded audio."
-)
 
 
 class ExportError(ValueError):
     """The model cannot be exported exactly, or the exported model does not reproduce ours."""
-
-
-def pad_for_export(wav: torch.Tensor | np.ndarray, align: bool = True) -> torch.Tensor | np.ndarray:
-    """Pad a waveform [..., S] for the exported HubertModel: 40 zeros each side -> [..., S' + 80].
-
-    With ``align`` the end is first zero-padded to S' = 320*ceil(S/320), so the exported model gives
-    ceil(S/320) frames, the frames ``musiclm_stab.features`` gives for the same audio.
-    """
-    S = wav.shape[-1]
-    extra = (-S) % HOP_LENGTH if align else 0
-    if isinstance(wav, np.ndarray):
-        widths = [(0, 0)] * (wav.ndim - 1) + [(PAD_SAMPLES, PAD_SAMPLES + extra)]
-        return np.pad(wav, widths)
-    return torch.nn.functional.pad(wav, (PAD_SAMPLES, PAD_SAMPLES + extra))
 
 
 # ---------------------------------------------------------------------------------------- mapping
@@ -242,11 +219,12 @@ def verification_audio(seconds: float = 6.0) -> tuple[torch.Tensor, str]:
 @functools.lru_cache(maxsize=4)
 def _verification_audio(n: int) -> tuple[np.ndarray, str]:
     try:
-        from musiclm_stab import corpus
+        from musiclm_stab.corpus.chorales import plan_track
+        from musiclm_stab.corpus.render import render_track
 
         source = "bach/bwv1.6.mxl"
-        track = corpus.plan_track(source, seed=0, ensemble="string quartet")
-        audio = corpus.render_track(track, SAMPLE_RATE, max_seconds=n / SAMPLE_RATE + 1).mean(
+        track = plan_track(source, seed=0, ensemble="string quartet")
+        audio = render_track(track, SAMPLE_RATE, max_seconds=n / SAMPLE_RATE + 1).mean(
             axis=1
         )  # (S,) mono
         return np.ascontiguousarray(
@@ -324,17 +302,6 @@ class ExportResult:
     out_dir: Path
     verification: Verification
     source: str  # the checkpoint exported
-
-
-def load_checkpoint(path: str | Path) -> tuple[MusicMLM, Path, int | None]:
-    """(model in eval mode on CPU, checkpoint dir, step) from a run directory or a checkpoint directory."""
-    from musiclm_stab.evaluate import load_model, resolve_checkpoint
-
-    run_dir, ckpt = resolve_checkpoint(path)
-    model = load_model(run_dir, ckpt, config_from_run(run_dir), "cpu")
-    state = ckpt / "trainer_state.json"  # the run-directory contract: written last, holds the step
-    step = json.loads(state.read_text()).get("step") if state.is_file() else None
-    return model, ckpt, step
 
 
 def export(
@@ -468,66 +435,6 @@ def export(
 
 def _plain(cfg: ModelConfig) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
-
-
-# ----------------------------------------------------------------------------------------- heads
-
-
-@dataclass
-class ExportedHeads:
-    """The prediction heads saved with an export, to recompute the MLM losses from it."""
-
-    acoustic: AcousticHeads  # [N, D] -> [N, K, V] cosine logits
-    musical: MusicalHead  # [N, D] -> [N, n_bins]
-    cqt: CQT  # target of the musical head: [B, S] -> [B, T, n_bins]
-    musical_weight: float
-    features_pen_weight: float
-
-
-def load_heads(out_dir: str | Path) -> ExportedHeads:
-    """The acoustic and musical heads (and the CQT that makes the musical target) of an export."""
-    out_dir = Path(out_dir)
-    meta = json.loads((out_dir / SIDECAR).read_text())
-    h, width = meta["heads"], meta["model_config"]["width"]
-    acoustic = AcousticHeads(width, h["num_codebooks"], h["codebook_size"], h["final_dim"], h["logit_temp"])
-    musical = MusicalHead(width, h["cqt_bins"])
-    state = load_file(str(out_dir / h["file"]))
-    acoustic.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("acoustic.")})
-    musical.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("musical.")})
-    cqt = CQT(SAMPLE_RATE, fmin=h["cqt_fmin"], n_bins=h["cqt_bins"], bins_per_octave=h["cqt_bins_per_octave"])
-    return ExportedHeads(acoustic.eval(), musical.eval(), cqt, h["musical_weight"], h["features_pen_weight"])
-
-
-def mlm_losses(
-    hf_model,
-    heads: ExportedHeads,
-    wav: torch.Tensor,
-    clean_wav: torch.Tensor,
-    codes: torch.Tensor,
-    mask: torch.Tensor,
-) -> MLMOutput:
-    """The masked-LM losses of ``MusicMLM.forward``, recomputed from an exported model and its heads.
-
-    wav, clean_wav: [B, S] (S a multiple of 320, unpadded); codes: [B, K, T]; mask: [B, T] bool.
-    """
-    padded = pad_for_export(wav, align=False)
-    feats = hf_model.feature_extractor(padded)  # (B, C, T): the conv features, before their LayerNorm
-    pen = feats.float().pow(2).mean()
-    x = hf_model(padded, mask_time_indices=mask).last_hidden_state  # (B, T, D)
-    cqt = heads.cqt(clean_wav)  # (B, T, n_bins)
-    h = x[mask]  # (N, D)
-    ce_sum, ce, acc = acoustic_losses(heads.acoustic(h), codes.transpose(1, 2)[mask].long())
-    mus = musical_loss(heads.musical(h), cqt[mask])
-    loss = ce_sum + heads.musical_weight * mus + heads.features_pen_weight * pen
-    return MLMOutput(
-        loss=loss,
-        acoustic_mlm_loss=ce_sum,
-        acoustic_ce=ce,
-        acoustic_acc=acc,
-        musical_mlm_loss=mus,
-        features_pen=pen,
-        mask_fraction=mask.float().mean(),
-    )
 
 
 def cli_main(argv: list[str]) -> int:

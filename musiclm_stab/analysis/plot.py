@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, Formatter, MaxNLocator, NullFormatter
 
-from musiclm_stab.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
+from musiclm_stab.analysis.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
 
 __all__ = ["PlotWarning", "RunMetrics", "cli_main", "make_figures", "plot_runs", "read_run", "run_label"]
 

@@ -15,13 +15,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-BASE_NORM = {
-    "pre": "Pre-Norm",
-    "post": "Post-Norm",
-    "deepnorm": "Post-Norm",
-    "sandwich": "Sandwich-Norm",
-    "subln": "Sub-LN",
-}
+from musiclm_stab.model.norm_schemes import LEGEND
+
 ADAPTIVE_CLIP = {"zclip": "ZClip", "autoclip": "AutoClip"}
 
 
@@ -58,10 +53,8 @@ def run_label(cfg: dict) -> str:
         return str(label)
     scheme = model.get("norm_scheme", "pre")
     # An unknown scheme (a newer config) is shown as written rather than refused: plots must not crash.
-    parts = [BASE_NORM.get(scheme, str(scheme))]
-    modifiers = []
-    if scheme == "deepnorm":
-        modifiers.append("DeepNorm")
+    base, modifier = LEGEND.get(scheme, (str(scheme), None))
+    parts, modifiers = [base], [modifier] if modifier else []
     if model.get("attention") == "relax":
         modifiers.append("Attn. Relax")
     if model.get("qk_norm"):

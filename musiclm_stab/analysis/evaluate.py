@@ -16,37 +16,14 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from musiclm_stab.checkpoint import STATE_FILE, newest_valid
-from musiclm_stab.config import Config, ConfigError, config_from_run
+from musiclm_stab.config import ConfigError, config_from_run
 from musiclm_stab.data import Collator, CropDataset, split_indices
-from musiclm_stab.model import MusicMLM
-
-
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run_dir, checkpoint_dir) from a run directory (newest complete checkpoint) or a checkpoint dir."""
-    path = Path(path)
-    if (path / "config.yaml").is_file():
-        ckpt = newest_valid(path)
-        if ckpt is None:
-            raise ConfigError(f"{path} has no complete checkpoint in {path / 'checkpoints'}")
-        return path, ckpt
-    if (path / STATE_FILE).is_file() and (path.parent.parent / "config.yaml").is_file():
-        return path.parent.parent, path
-    raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a complete checkpoint "
-                      f"(with {STATE_FILE})")
-
-
-def load_model(run_dir: Path, ckpt: Path, cfg: Config, device: str = "cpu") -> MusicMLM:
-    model = MusicMLM(cfg.model)
-    weights = ckpt / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{ckpt} has no model.safetensors")
-    model.load_state_dict(load_file(str(weights), device="cpu"))
-    return model.to(device).eval()
+from musiclm_stab.model.objective import objective
+from musiclm_stab.training.checkpoint import STATE_FILE
+from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
 @torch.inference_mode()
@@ -70,34 +47,28 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
     if len(dataset) == 0:
         raise ConfigError(f"the {split!r} split of {data_path} has no segment of at least "
                           f"{cfg.data.crop_seconds} s (eval_fraction={cfg.data.eval_fraction}); try --split all")
-    model = load_model(run_dir, ckpt, cfg, device)
+    model = load_model(ckpt, cfg, device)
     mcfg = cfg.model.resolved()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
                         collate_fn=Collator(cfg.data, mcfg, seed=seed, mixup=False))
-    K = mcfg.num_codebooks
-    totals = {"ce": torch.zeros(K, dtype=torch.float64), "acc": torch.zeros(K, dtype=torch.float64),
-              "musical": 0.0, "pen": 0.0, "frames": 0}
+    sums: dict[str, float] = {}  # metric * masked frames, over the split
+    frames = 0
     for batch in tqdm(loader, desc="evaluate", leave=False):
         batch = {k: v.to(device) for k, v in batch.items()}
         out = model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
         n = int(batch["mask"].sum())  # losses are means over masked frames: weight them back
-        totals["ce"] += out.acoustic_ce.double().cpu() * n
-        totals["acc"] += out.acoustic_acc.double().cpu() * n
-        totals["musical"] += float(out.musical_mlm_loss) * n
-        totals["pen"] += float(out.features_pen) * n
-        totals["frames"] += n
-    frames = max(totals["frames"], 1)
-    ce, acc = (totals["ce"] / frames).tolist(), (totals["acc"] / frames).tolist()
-    musical, pen = totals["musical"] / frames, totals["pen"] / frames
-    result = {"eval/loss": sum(ce) + mcfg.musical_weight * musical + mcfg.features_pen_weight * pen,
-              "eval/acoustic_mlm_loss": sum(ce), "eval/musical_mlm_loss": musical, "eval/features_pen": pen}
-    result.update({f"eval/acoustic_mlm_loss/cb{k}": ce[k] for k in range(K)})
-    result.update({f"eval/acoustic_acc/cb{k}": acc[k] for k in range(K)})
+        for name, value in out.metrics().items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        frames += n
+    means = {name: total / max(frames, 1) for name, total in sums.items() if name not in ("loss", "mask_fraction")}
+    means["loss"] = objective(means["acoustic_mlm_loss"], means["musical_mlm_loss"], means["features_pen"],
+                              mcfg.musical_weight, mcfg.features_pen_weight)
+    result = {f"eval/{name}": value for name, value in sorted(means.items())}
     step = json.loads((ckpt / STATE_FILE).read_text())["step"]
     result.update({"step": step, "checkpoint": str(ckpt),
                    "data": [str(d) for d in data_path] if isinstance(data_path, list) else str(data_path),
                    "split": split,
-                   "num_segments": len(dataset), "masked_frames": totals["frames"], "seed": seed})
+                   "num_segments": len(dataset), "masked_frames": frames, "seed": seed})
     if write:
         out_dir = run_dir / "eval"
         out_dir.mkdir(exist_ok=True)

@@ -1,5 +1,5 @@
 """More real music for the corpus: string quartets, madrigals, trecento polyphony and fiddle tunes from
-music21's corpus, voiced for General MIDI instruments by register (the ``hours`` preset of build_corpus).
+music21's corpus, voiced for General MIDI instruments by register (the ``hours`` preset of ``build.py``).
 
 Where corpus.py voices Bach chorales (four named voices), this works for any score with 1-8 pitched
 parts: parts are ordered top to bottom by median pitch and each gets an instrument that suits its
@@ -21,8 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from musiclm_stab import corpus as _corpus  # chorales: looked up at call time (tests patch them)
-from musiclm_stab.corpus import ENSEMBLE_CYCLE, LEAD_SECONDS, Track, Voice, _require
+from musiclm_stab.corpus.render import LEAD_SECONDS, Track, Voice, long_rest_cuts, require
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,9 @@ log = logging.getLogger(__name__)
 EXCLUDING_NOTICES = re.compile(
     rb"Rights to all derivative electronic formats reserved|UT\s*ORPHEUS|<rights>[^<]*(?:copyright|\xc2\xa9)", re.I)
 MAX_PARTS = 8  # MIDI channels 0-8 (9 is the GM drum channel)
-LONG_REST_QUARTERS, KEPT_REST_QUARTERS = 8.0, 2.0  # rests in every part this long are shortened
+# Rests in every part of 8 quarters or more are shortened to 2 (the chorales shorten from 4: their cantata
+# interludes leave the voices silent for bars; in these works a rest of 4-8 quarters is written music).
+LONG_REST_QUARTERS, KEPT_REST_QUARTERS = 8.0, 2.0
 
 # GM programs per register (median MIDI pitch of a part: high >= 67 > mid >= 55 > low), per family.
 FAMILIES: dict[str, dict[str, tuple[int, ...]]] = {
@@ -92,7 +93,7 @@ def collection_sources(name: str) -> list[str]:
 @functools.cache
 def _collection_sources(name: str) -> tuple[str, ...]:
     c = COLLECTIONS[name]
-    corpus = _require("music21.corpus")
+    corpus = require("music21.corpus")
     root = Path(str(corpus.getComposer("bach")[0])).parent.parent  # music21/corpus
     out = []
     for prefix in c.prefixes:
@@ -122,7 +123,7 @@ def _register(pitches: list[int]) -> str:
 
 def plan_work(source: str, seed: int, collection: str, ensemble: str) -> Track:
     """Parse a score and turn its parts (top to bottom) into timed notes for GM instruments."""
-    corpus, tempo = _require("music21.corpus"), _require("music21.tempo")
+    corpus, tempo = require("music21.corpus"), require("music21.tempo")
     rng = random.Random(f"{seed}:{source}")
     score = corpus.parse(source)
     if not hasattr(score, "parts"):  # an abc file holding several tunes: the first one
@@ -149,17 +150,10 @@ def plan_work(source: str, seed: int, collection: str, ensemble: str) -> Track:
     legato = rng.uniform(0.85, 1.0)
 
     spans = sorted((float(n.offset), float(n.offset + n.quarterLength)) for _, ns in parts for n in ns)
-    start, reach = spans[0]
-    rest_ends, removed = [], [0.0]
-    for on, off in spans[1:]:
-        if on - reach >= LONG_REST_QUARTERS:
-            rest_ends.append(on)
-            removed.append(removed[-1] + on - reach - KEPT_REST_QUARTERS)
-        reach = max(reach, off)
+    start, cut = long_rest_cuts(spans, LONG_REST_QUARTERS, KEPT_REST_QUARTERS)
 
     def seconds(offset: float) -> float:
-        cut = removed[sum(1 for e in rest_ends if e <= offset)]
-        return LEAD_SECONDS + (offset - start - cut) * beat
+        return LEAD_SECONDS + (offset - start - cut(offset)) * beat
 
     voices = []
     for i, (name, notes) in enumerate(parts):
@@ -178,74 +172,3 @@ def plan_work(source: str, seed: int, collection: str, ensemble: str) -> Track:
         voices.append(voice)
     title = re.sub(r"\.(mxl|xml|abc|musicxml)$", "", source).replace("/", "-")
     return Track(source=source, ensemble=ensemble, tempo_qpm=qpm, voices=voices, title=title)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Presets: which collections, how many tracks of each
-
-PRESETS: dict[str, dict[str, int]] = {
-    "default": {"chorales": 24},
-    # a few hours of music, tracks cut at 3 min: see data/README.md for what seed 0 gives
-    "hours": {"chorales": 80, "string_quartets": 20, "madrigals": 24, "trecento": 36, "fiddle_tunes": 96},
-}
-PRESET_MAX_SECONDS = {"default": None, "hours": 180.0}
-
-
-def preset_order(preset: str, seed: int) -> list[tuple[str, int]]:
-    """(collection, quota) slots interleaved so any prefix mixes the collections in proportion."""
-    quotas = PRESETS[preset]
-    taken = dict.fromkeys(quotas, 0)
-    order = []
-    for _ in range(sum(quotas.values())):
-        name = min((n for n in quotas if taken[n] < quotas[n]), key=lambda n: ((taken[n] + 0.5) / quotas[n], n))
-        order.append((name, taken[name]))
-        taken[name] += 1
-    return order
-
-
-def _chorale_plans(seed: int):
-    """Planned chorales in corpus order; unusable sources are skipped with a logged reason."""
-    sources = _corpus.chorale_sources()
-    random.Random(seed).shuffle(sources)
-    ensembles = list(ENSEMBLE_CYCLE)
-    random.Random(f"{seed}:ensembles").shuffle(ensembles)
-    k = 0
-    for source in sources:
-        try:
-            track = _corpus.plan_track(source, seed, ensembles[k % len(ensembles)])
-        except Exception as e:
-            _corpus.log.warning("skipping %s: %s: %s", source, type(e).__name__, e)
-            continue
-        k += 1
-        yield track
-
-
-def _work_plans(name: str, seed: int):
-    sources = collection_sources(name)
-    random.Random(f"{seed}:{name}").shuffle(sources)
-    ensembles = list(COLLECTIONS[name].ensembles)
-    random.Random(f"{seed}:{name}:ensembles").shuffle(ensembles)
-    k = 0
-    for source in sources:
-        try:
-            track = plan_work(source, seed, name, ensembles[k % len(ensembles)])
-        except Exception as e:
-            log.warning("skipping %s: %s: %s", source, type(e).__name__, e)
-            continue
-        k += 1
-        yield track
-
-
-def plans(preset: str, seed: int, num_tracks: int):
-    """(collection, Track) in corpus order: the preset's collections interleaved in proportion."""
-    if preset == "default":
-        for track in _chorale_plans(seed):
-            yield "chorales", track
-        return
-    streams = {}
-    for name, _ in preset_order(preset, seed)[:num_tracks]:
-        if name not in streams:
-            streams[name] = _chorale_plans(seed) if name == "chorales" else _work_plans(name, seed)
-        track = next(streams[name], None)
-        if track is not None:
-            yield name, track

@@ -36,28 +36,22 @@ in benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import shutil
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
-from musiclm_stab.model.frontend import PAD as PAD_SAMPLES
+from musiclm_stab.export.exported import PAD_SAMPLES, SIDECAR
+from musiclm_stab.training.trained import load_checkpoint
 
 DEFAULT_CHUNK_SECONDS = 30.0
-MANIFEST = "features.json"
-SAME_RUN_KEYS = ("model", "layers", "chunk_seconds", "overlap_seconds", "dtype")
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -105,7 +99,7 @@ class FeatureModel:
     def hidden_states(self, wav: torch.Tensor) -> list[torch.Tensor]:
         """[B, S] audio, S a multiple of 320 -> N+1 states [B, S/320, D]."""
         if self.kind == "transformers":
-            from musiclm_stab.export import pad_for_export
+            from musiclm_stab.export.exported import pad_for_export
 
             return list(
                 self.module(pad_for_export(wav, align=False), output_hidden_states=True).hidden_states
@@ -170,7 +164,6 @@ def group_norm_stats(
 
 def load_feature_model(path: str | Path, device: str | None = None) -> FeatureModel:
     """A run directory, checkpoint directory or export directory as a FeatureModel on ``device``."""
-    from musiclm_stab.export import PAD_SAMPLES, SIDECAR, load_checkpoint
 
     path = Path(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -243,7 +236,7 @@ def _frames(seconds: float) -> int:
     return int(round(seconds * FRAME_RATE))
 
 
-def _overlap(chunk_seconds: float, overlap_seconds: float | None) -> float:
+def overlap_seconds_for(chunk_seconds: float, overlap_seconds: float | None) -> float:
     """The overlap in seconds: a third of the chunk unless given."""
     return chunk_seconds / 3 if overlap_seconds is None else overlap_seconds
 
@@ -276,7 +269,7 @@ def iter_features(
     whole clip, as a whole pass would, instead of each window's own.
     """
     T = math.ceil(wav.numel() / HOP_LENGTH)
-    plan = chunk_plan(T, _frames(chunk_seconds), _frames(_overlap(chunk_seconds, overlap_seconds)))
+    plan = chunk_plan(T, _frames(chunk_seconds), _frames(overlap_seconds_for(chunk_seconds, overlap_seconds)))
     stats = group_norm_stats(wav, model) if global_stats and len(plan) > 1 else None
     with model.group_norm_stats(stats):
         for chunk in plan:  # the last window is zero-padded to a whole frame
@@ -363,181 +356,3 @@ def chunking_error(
             float((c - w).abs().max()), float((c - w).norm() / w.norm()), float(cos.min()), float(cos.mean())
         )
     return out
-
-
-# ------------------------------------------------------------------------------------ batch mode
-
-
-def _write_npy_header(f, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-    np.lib.format.write_array_header_1_0(f, header)
-
-
-def write_features(
-    wav: torch.Tensor,
-    model: FeatureModel,
-    out_dir: Path,
-    layers: list[int],
-    chunk_seconds: float,
-    overlap_seconds: float | None = None,
-    dtype: str = "float32",
-) -> int:
-    """Write ``out_dir/layer_XX.npy`` ([T, D] each) chunk by chunk, never holding a whole layer; returns T.
-
-    Written under a temporary name and renamed when complete, so a directory that exists is whole.
-    """
-    T = math.ceil(wav.numel() / HOP_LENGTH)
-    np_dtype = np.dtype(dtype)
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    files = {layer: open(partial / f"layer_{layer:02d}.npy", "wb") for layer in layers}
-    try:
-        for f in files.values():
-            _write_npy_header(f, (T, model.width), np_dtype)
-        for _, feats in iter_features(wav, model, layers, chunk_seconds, overlap_seconds):
-            for layer, x in zip(layers, feats):
-                files[layer].write(np.ascontiguousarray(x.numpy().astype(np_dtype)).tobytes())
-    finally:
-        for f in files.values():
-            f.close()
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(partial, out_dir)
-    return T
-
-
-@dataclass
-class FolderSummary:
-    written: list[dict] = field(default_factory=list)  # {"source", "output", "frames"}
-    skipped: list[str] = field(default_factory=list)  # outputs that existed already
-    failed: list[dict] = field(default_factory=list)  # {"source", "reason"}
-
-
-def _output_names(files: list[Path], src: Path) -> list[Path]:
-    """Output directory (relative) per file: its path without the suffix, or with it where two would clash."""
-    rel = [f.relative_to(src) for f in files]
-    stems = [r.with_suffix("") for r in rel]
-    clash = {s for s in stems if stems.count(s) > 1}
-    return [r.with_name(r.name.replace(".", "_")) if s in clash else s for r, s in zip(rel, stems)]
-
-
-def extract_folder(
-    model: FeatureModel | str | Path,
-    src: str | Path,
-    out: str | Path,
-    layers: Sequence[int] | None = None,
-    chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
-    overlap_seconds: float | None = None,
-    dtype: str = "float32",
-    overwrite: bool = False,
-    progress: bool = True,
-    device: str | None = None,
-) -> FolderSummary:
-    """Features of every audio file under ``src`` (or of the file ``src``) into ``out``.
-
-    One directory per file, ``out/<relative path without suffix>/layer_XX.npy`` ([T, D]), and
-    ``out/features.json`` (model, layers, settings, files, failures). Files whose directory exists are
-    skipped unless ``overwrite``; an ``out`` made with other settings is refused. Unreadable audio is
-    reported in ``failed`` and the run goes on.
-    """
-    from musiclm_stab.audio import AudioError, list_audio_files, load_audio
-
-    if not isinstance(model, FeatureModel):
-        model = load_feature_model(model, device)
-    src, out = Path(src), Path(out)
-    if src.is_file():
-        files, names = [src], [Path(src.stem)]
-    elif src.is_dir():
-        files = list_audio_files(src)
-        names = _output_names(files, src)
-    else:
-        raise ValueError(f"{src} is neither an audio file nor a folder")
-    chosen = resolve_layers(layers, model.num_layers)
-    overlap_seconds = _overlap(chunk_seconds, overlap_seconds)
-    settings = {
-        "model": model.source,
-        "model_kind": model.kind,
-        "layers": chosen,
-        "chunk_seconds": chunk_seconds,
-        "overlap_seconds": overlap_seconds,
-        "dtype": dtype,
-        "frame_rate": FRAME_RATE,
-        "sample_rate": SAMPLE_RATE,
-        "width": model.width,
-        "num_layers": model.num_layers,
-    }
-    manifest = out / MANIFEST
-    if manifest.is_file() and not overwrite:
-        old = json.loads(manifest.read_text())
-        differ = [k for k in SAME_RUN_KEYS if old.get(k) != settings[k]]
-        if differ:
-            raise ValueError(
-                f"{out} holds features made with other settings ({', '.join(differ)} differ); "
-                "use another output folder or overwrite=True (--overwrite)"
-            )
-    out.mkdir(parents=True, exist_ok=True)
-    summary = FolderSummary()
-    for path, name in tqdm(list(zip(files, names)), desc="features", unit="file", disable=not progress):
-        target = out / name
-        if target.is_dir() and not overwrite:
-            summary.skipped.append(str(name))
-            continue
-        try:
-            wav = load_audio(path)
-        except AudioError as e:
-            summary.failed.append({"source": str(path), "reason": e.reason})
-            continue
-        frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
-        summary.written.append({"source": str(path), "output": str(name), "frames": frames})
-    manifest.write_text(
-        json.dumps(
-            {**settings, "written": summary.written, "skipped": summary.skipped, "failed": summary.failed},
-            indent=2,
-        )
-    )
-    return summary
-
-
-def _parse_layers(values: list[str] | None) -> list[int] | None:
-    if not values or values == ["all"]:
-        return None
-    return [int(v) for item in values for v in item.split(",") if v]
-
-
-def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab features", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="run directory, checkpoint directory, or export directory")
-    p.add_argument("src", help="audio file, or folder searched recursively")
-    p.add_argument("out", help="output folder: <file>/layer_XX.npy ([T, D]) and features.json")
-    p.add_argument(
-        "--layers", nargs="+", help="layer indices 0..N (negative from the end) or 'all' (default)"
-    )
-    p.add_argument("--chunk-seconds", type=float, default=DEFAULT_CHUNK_SECONDS)
-    p.add_argument("--overlap-seconds", type=float, default=None, help="default: a third of --chunk-seconds")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="storage type")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--overwrite", action="store_true", help="recompute files whose output exists")
-    args = p.parse_args(argv)
-    try:
-        summary = extract_folder(
-            args.model,
-            args.src,
-            args.out,
-            _parse_layers(args.layers),
-            args.chunk_seconds,
-            args.overlap_seconds,
-            args.dtype,
-            args.overwrite,
-            device=args.device,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"{len(summary.written)} written, {len(summary.skipped)} skipped (existing), "
-        f"{len(summary.failed)} failed -> {Path(args.out) / MANIFEST}"
-    )
-    for f in summary.failed:
-        print(f"  failed: {f['source']}: {f['reason']}", file=sys.stderr)
-    return 1 if summary.failed and not summary.written and not summary.skipped else 0

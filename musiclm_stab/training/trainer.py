@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import signal
@@ -23,181 +22,31 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, send_to_device, set_seed
-from torch.utils.data import DataLoader
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from musiclm_stab import checkpoint
-from musiclm_stab.config import Config, ConfigError, load_config, save_config
-from musiclm_stab.data import Collator, CropDataset, EpochSampler, StreamingCrops, split_indices
+from musiclm_stab.config import Config, ConfigError, load_config
+from musiclm_stab.data.loader import build_data, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
-from musiclm_stab.stability import GradClipper, SpikeGuard, layer_diagnostics, record_attention_logits
+from musiclm_stab.training import checkpoint
+from musiclm_stab.training.optim import build_optimizer, lr_lambda
+from musiclm_stab.training.run_dir import (
+    MetricsWriter,
+    check_run_dir,
+    global_batch,
+    global_batch_crops,
+    write_run_dir,
+)
+from musiclm_stab.training.stability import (
+    GradClipper,
+    SpikeGuard,
+    layer_diagnostics,
+    record_attention_logits,
+)
 
-
-def lr_lambda(warmup_steps: int, max_steps: int):
-    """Linear warmup to the peak lr over ``warmup_steps``, then linear decay to 0 at ``max_steps``."""
-
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
-
-    return f
-
-
-def metric_names(num_codebooks: int) -> list[str]:
-    """Per-step metrics averaged over micro-batches (and processes)."""
-    return (["loss", "acoustic_mlm_loss", "musical_mlm_loss", "features_pen", "mask_fraction"]
-            + [f"acoustic_mlm_loss/cb{k}" for k in range(num_codebooks)]
-            + [f"acoustic_acc/cb{k}" for k in range(num_codebooks)])
-
-
-# A checkpoint's data position (micro-batches consumed) means the same batches only with these unchanged.
 DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data", "eval_fraction"),
                       ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))
-
-
-def keep_configured_kernel(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """Optimizer ``load_state_dict`` pre-hook: keep the kernel the optimizer was built with.
-
-    torch restores a checkpoint's ``param_groups`` whole, kernel choice (``fused``, ``foreach``) included,
-    so a run resumed with another ``optim.fused`` would silently keep the old kernel. The kernel does not
-    change the math, so the configured one wins; each ``step`` counter moves to where that kernel keeps it
-    (fused or capturable: on the parameter's device, which torch's load does; else on the CPU, as a fresh
-    optimizer has it, instead of one host sync per parameter and step)."""
-    for saved, now in zip(state_dict["param_groups"], optimizer.param_groups):
-        for key in ("fused", "foreach"):
-            if key in now:
-                saved[key] = now[key]
-        if now.get("fused") or now.get("capturable"):
-            continue
-        for pid in saved["params"]:
-            step = state_dict["state"].get(pid, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                state_dict["state"][pid]["step"] = step.cpu()
-    return state_dict
-
-
-def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
-    """The training loader and the objects that take ``set_epoch``. ``data.path`` is one tokenized folder or
-    several (shards are read in the order a single run wrote them). Saved data: a DataLoader that
-    ``accelerator.prepare`` splits across processes. ``data.streaming``: a DataLoader over StreamingCrops,
-    which does the split itself (this process's examples only), so it is not prepared."""
-    from musiclm_stab.tokenize import TokenizerMismatch, load_tokenized
-
-    dcfg = cfg.data
-    try:
-        hf, info = load_tokenized(dcfg.path, streaming=dcfg.streaming)
-    except TokenizerMismatch:
-        raise
-    except (FileNotFoundError, ValueError) as e:  # missing, unfinished or not a tokenized dataset
-        raise ConfigError(f"data.path: {e}") from e
-    tokenizer_info_out.update(info)
-    collator = Collator(dcfg, cfg.model.resolved(), seed=cfg.train.seed)
-    if dcfg.streaming:
-        try:
-            dataset = StreamingCrops(hf, dcfg.eval_fraction, dcfg.crop_seconds, dcfg.batch_size,
-                                     seed=cfg.train.seed, rank=accelerator.process_index,
-                                     world_size=accelerator.num_processes, shuffle_buffer=dcfg.shuffle_buffer)
-        except ValueError as e:  # a part file that is not arrow data, or lacks a column: named in e
-            raise ConfigError(f"data.path: {e}") from e
-        count = dataset.num_examples
-    else:
-        train_idx, _ = split_indices(hf["track"], dcfg.eval_fraction)
-        dataset = CropDataset(hf, train_idx, dcfg.crop_seconds, seed=cfg.train.seed, random_crop=True)
-        count = len(dataset)
-    if dataset.num_skipped:
-        accelerator.print(f"note: {dataset.num_skipped} segments shorter than the {dcfg.crop_seconds} s crop are not used")
-    needed = dcfg.batch_size * accelerator.num_processes
-    if count < needed:
-        raise ConfigError(f"data.path={dcfg.path}: {count} training crops, fewer than one global batch "
-                          f"({needed}); lower data.batch_size or data.eval_fraction, or tokenize more audio")
-    # Its own generator: starting an epoch's iterator must not draw from the global RNG (dropout's), or a
-    # resumed run would diverge from an uninterrupted one.
-    common = dict(collate_fn=collator, num_workers=dcfg.num_workers, pin_memory=torch.cuda.is_available(),
-                  generator=torch.Generator().manual_seed(cfg.train.seed))
-    if dcfg.streaming:
-        return DataLoader(dataset, batch_size=None, **common), (dataset, collator)
-    sampler = EpochSampler(len(dataset), seed=cfg.train.seed)
-    loader = DataLoader(dataset, batch_size=dcfg.batch_size, sampler=sampler, drop_last=True, **common)
-    return loader, (dataset, sampler, collator)
-
-
-def micro_batches(loader, epoch_objects, accelerator: Accelerator, consumed: int):
-    """Endless stream of micro-batches that starts after ``consumed`` ones (exact resume)."""
-    per_epoch = len(loader)
-    epoch, skip = divmod(consumed, per_epoch)
-    streaming = isinstance(loader.dataset, StreamingCrops)
-    while True:
-        for obj in epoch_objects:
-            obj.set_epoch(epoch)
-        if streaming:  # a plain DataLoader (not prepared): skip without decoding, place on the device here
-            loader.dataset.skip = skip
-            it = (send_to_device(batch, accelerator.device) for batch in loader)
-        else:
-            loader.set_epoch(epoch)
-            it = accelerator.skip_first_batches(loader, skip) if skip else loader
-        yield from it
-        epoch, skip = epoch + 1, 0
-
-
-class MetricsWriter:
-    """Appends one JSON row per logged step to metrics.jsonl (main process only)."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def write(self, row: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-
-
-def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
-    """Refuse to overwrite a run, to resume with another model config, or to mix tokenizers."""
-    from musiclm_stab.tokenize import check_same_tokenizer
-
-    run_dir = cfg.run_dir
-    saved_cfg = run_dir / "config.yaml"
-    if saved_cfg.exists() and not resume:
-        raise ConfigError(f"run directory {run_dir} already exists; pass --resume to continue it, "
-                          f"or choose another --train.name")
-    if resume and saved_cfg.exists():
-        old = yaml.safe_load(saved_cfg.read_text())
-        new = cfg.to_dict()
-        changed = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
-        if changed:
-            raise ConfigError(f"cannot resume {run_dir} with a changed model config: {', '.join(changed)} "
-                              f"differ from {saved_cfg}")
-        old_tok = run_dir / "tokenizer.json"
-        if old_tok.exists():
-            check_same_tokenizer(json.loads(old_tok.read_text()), tokenizer_info, f"run {run_dir}",
-                                 f"data {cfg.data.path}")
-
-
-def global_batch_crops(cfg: Config, num_processes: int) -> int:
-    """Crops in one optimizer update, over all processes and accumulated micro-batches."""
-    return cfg.data.batch_size * cfg.train.grad_accum * num_processes
-
-
-def global_batch(cfg: Config, num_processes: int) -> str:
-    """One line stating the global batch (one optimizer update) in crops and audio-seconds."""
-    crops = global_batch_crops(cfg, num_processes)
-    return (f"global batch {crops} crops = {crops * cfg.data.crop_seconds:g} audio-s per update "
-            f"(data.batch_size {cfg.data.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
-            f"{num_processes} process(es) x data.crop_seconds {cfg.data.crop_seconds:g})")
-
-
-def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1) -> Path:
-    run_dir = cfg.run_dir
-    saved_cfg = run_dir / "config.yaml"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    save_config(cfg, saved_cfg, comment=f"launched with {global_batch(cfg, num_processes)}")
-    (run_dir / "tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2))
-    return run_dir
 
 
 class Trainer:
@@ -242,9 +91,7 @@ class Trainer:
         if tcfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
             model.frontend.compile()
             model.encoder.compile()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
-                                      weight_decay=ocfg.weight_decay, fused=ocfg.fused or None)
-        optimizer.register_load_state_dict_pre_hook(keep_configured_kernel)
+        optimizer = build_optimizer(model.parameters(), ocfg)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
         if cfg.data.streaming:  # StreamingCrops splits the data across processes itself
             self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -256,7 +103,6 @@ class Trainer:
         accelerator.register_for_checkpointing(self.clipper, self.guard)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
-        self.injected: set[str] = set()  # fault injection fires once, even if a rollback replays the step
         if resume:
             if accelerator.is_main_process:
                 for partial in checkpoint.remove_partial(self.run_dir):
@@ -270,8 +116,6 @@ class Trainer:
                 accelerator.print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; "
                                   "starting at step 0")
         self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
-        self.names = metric_names(cfg.model.num_codebooks)
-        self.pen_weight = cfg.model.features_pen_weight
         self.global_batch_s = global_batch_crops(cfg, accelerator.num_processes) * cfg.data.crop_seconds
 
     def load_checkpoint(self, ckpt: Path) -> int:
@@ -290,13 +134,13 @@ class Trainer:
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
 
-    def train_step(self) -> tuple[torch.Tensor, dict]:
-        """Forward/backward over grad_accum micro-batches; returns (metric vector, diagnostics)."""
+    def train_step(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Forward/backward over grad_accum micro-batches; returns (metrics by name, means over the
+        micro-batches, on the device; diagnostics)."""
         tcfg, acc = self.cfg.train, self.accelerator
         step = self.step + 1
         diagnose = tcfg.diagnostics_every and step % tcfg.diagnostics_every == 0
-        spike = self._inject("spike", step == tcfg.inject_spike_at)
-        sums = torch.zeros(len(self.names), device=acc.device)
+        sums: dict[str, torch.Tensor] = {}
         for i in range(tcfg.grad_accum):
             batch = next(self.stream)
             self.consumed += 1
@@ -304,25 +148,29 @@ class Trainer:
             if diagnose and last:
                 record_attention_logits(self.model, True)
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                with acc.autocast():
-                    out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
                 w = self.masked_weight(batch["mask"])
-                loss = w * (out.loss - self.pen_weight * out.features_pen) + self.pen_weight * out.features_pen
-                loss = loss * 1000.0 if spike else loss
+                with acc.autocast():
+                    out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"], frame_weight=w)
+                loss = self.perturb_loss(step, out.loss)
                 acc.backward(loss / tcfg.grad_accum)
-            vec = _metric_vector(out).detach()
-            vec[0], vec[1:3], vec[5:] = loss.detach().float(), vec[1:3] * w, vec[5:] * w
-            sums += vec / tcfg.grad_accum
+            metrics = {**out.metrics(), "loss": loss.detach().float()}
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value / tcfg.grad_accum
         diag = {}
         if diagnose:
             scale = float(acc.scaler.get_scale()) if acc.scaler is not None else 1.0
             diag = layer_diagnostics(self.model, grad_scale=scale)
             record_attention_logits(self.model, False)
-        if self._inject("nan", step == tcfg.inject_nan_at):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
+        self.perturb_grads(step)
         return sums, diag
+
+    # Fault-injection seams for the tests of the stability tools (tests/test_stability.py overrides them in
+    # a subclass): the loss that is backpropagated and logged, and the gradients before the update.
+    def perturb_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def perturb_grads(self, step: int) -> None:
+        pass
 
     def masked_weight(self, mask: torch.Tensor) -> torch.Tensor:
         """n_local / mean over processes of n, with n the masked frames of this micro-batch.
@@ -335,12 +183,6 @@ class Trainer:
             return torch.ones((), device=mask.device)
         n = mask.sum().float()
         return n / self.accelerator.reduce(n.clone(), reduction="mean").clamp_min(1.0)
-
-    def _inject(self, fault: str, due: bool) -> bool:
-        if due and fault not in self.injected:
-            self.injected.add(fault)
-            return True
-        return False
 
     def update(self) -> dict:
         """Clip and apply the accumulated gradients, unless they are non-finite. Advances the step.
@@ -412,7 +254,7 @@ class Trainer:
         last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
         bar = tqdm(total=last_step, initial=self.step, desc="train", disable=not acc.is_main_process,
                    dynamic_ncols=True)
-        sums = torch.zeros(len(self.names), device=acc.device)
+        sums: dict[str, torch.Tensor] = {}  # metrics summed over the steps since the last row, on the device
         interval, diag = new_interval(), {}
         self.model.train()
         stop = StopSignal()
@@ -425,7 +267,8 @@ class Trainer:
             step_sums, step_diag = self.train_step()
             result = self.update()
             diag.update(step_diag)
-            sums += step_sums
+            for name, value in step_sums.items():
+                sums[name] = sums.get(name, 0.0) + value
             interval["steps"] += 1
             interval["overflow"] += int(result["overflow"])
             interval["skipped"] += int(result["skipped"])
@@ -439,12 +282,12 @@ class Trainer:
                 writer.write(row)
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
-                sums.zero_()
+                sums = {}
                 interval, diag = new_interval(), {}
-            if tcfg.spike_guard and self.maybe_roll_back(float(step_sums[0]), writer):
+            if tcfg.spike_guard and self.maybe_roll_back(float(step_sums["loss"]), writer):
                 bar.n = self.step
                 bar.refresh()
-                sums.zero_()
+                sums = {}
                 interval, diag = new_interval(), {}
                 continue  # never checkpoint the spiked state
             if self.step % tcfg.checkpoint_every == 0 or self.step == last_step:
@@ -463,13 +306,13 @@ class Trainer:
         return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints,
                                self.cfg.train.keep_every)
 
-    def metrics_row(self, sums: torch.Tensor, interval: dict, diag: dict) -> dict:
+    def metrics_row(self, sums: dict[str, torch.Tensor], interval: dict, diag: dict) -> dict:
         """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
         acc = self.accelerator
-        values = acc.reduce(sums, reduction="mean") / max(1, interval["steps"])
+        means = reduce_by_name(acc, sums, divide=max(1, interval["steps"]))
         elapsed = time.perf_counter() - interval["t0"]
         good = interval["steps"] - interval["skipped"] - interval["overflow"]
-        row = {"step": self.step, **dict(zip(self.names, values.tolist())),
+        row = {"step": self.step, **means,
                "grad_norm": interval["grad_norm"] / good if good else float("nan"),
                "grad_clipped": interval["clipped"] / good if good else 0.0,
                "grad_clip_threshold": self.clipper.threshold(),
@@ -521,9 +364,13 @@ def new_interval() -> dict:
     return {"steps": 0, "skipped": 0, "overflow": 0, "clipped": 0, "grad_norm": 0.0, "t0": time.perf_counter()}
 
 
-def _metric_vector(out) -> torch.Tensor:
-    scalars = [out.loss, out.acoustic_mlm_loss, out.musical_mlm_loss, out.features_pen, out.mask_fraction]
-    return torch.cat([torch.stack([s.float() for s in scalars]), out.acoustic_ce.float(), out.acoustic_acc.float()])
+def reduce_by_name(accelerator: Accelerator, values: dict[str, torch.Tensor], divide: float = 1.0
+                   ) -> dict[str, float]:
+    """Means over processes of named scalars (one all-reduce for all of them), divided by ``divide``."""
+    names = sorted(values)  # every process holds the same names: the same order everywhere
+    stacked = torch.stack([torch.as_tensor(values[n], dtype=torch.float32) for n in names]).to(accelerator.device)
+    reduced = (accelerator.reduce(stacked, reduction="mean") / divide).tolist()
+    return dict(zip(names, reduced))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -542,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="recipes/pretrain.py",
         description="Pretrain a music masked-LM. Overrides: --section.key=value (e.g. --model.norm_scheme=post).")
-    parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
+    parser.add_argument("--config", action="append", help="recipe YAML (recipes/*.yaml); again for an overlay "
+                        "layered on top (recipes/overlays/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args, rest = parser.parse_known_args(argv)
     bad = [r for r in rest if not (r.startswith("--") and "=" in r)]

@@ -30,12 +30,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
+from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RECIPE = REPO / "recipes" / "tiny.yaml"
+DEFAULT_RECIPE = RECIPES / "tiny.yaml"
 # Defaults: the sweep of docs/STUDY.md (~18 min of training on 2 shared cores, bf16 given by --set there).
 DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0)
 DEFAULT_SCHEMES = ("pre", "post", "deepnorm", "relax")
@@ -69,7 +68,7 @@ def scheme_overrides(scheme: str) -> list[str]:
 def scheme_label(cfg: dict) -> str:
     """Legend text of a scheme: the study's run label without its ``Run N`` part (and with "Math Attn."
     for the explicit attention path, which the study's labels do not name)."""
-    from musiclm_stab.plot import run_label
+    from musiclm_stab.analysis.plot import run_label
 
     parts = [p for p in run_label(cfg).split(" | ") if not p.startswith("Run ")]
     if (cfg.get("model") or {}).get("attention") == "math":
@@ -166,36 +165,17 @@ def sweep_config(
     ]
     if data is not None:
         overrides.append(f"--data.path={data}")
-    overrides += [e if e.startswith("--") else f"--{e}" for e in extra]
-    cfg = load_config(recipe, overrides)
+    cfg = load_config(recipe, [*overrides, *as_overrides(extra)])
     if cfg.train.log_every != 1:
         raise ConfigError("the sweep needs train.log_every=1: the initial loss (the cap) is step 1's")
     return cfg
-
-
-def run_state(cfg: Config) -> str:
-    """What a run directory holds: one of new / done / partial / other.
-
-    new: no run directory; done: this config, trained to the end; partial: this config, interrupted
-    (trained again); other: another config (never overwritten).
-    """
-    from musiclm_stab.plot import read_run
-
-    saved = cfg.run_dir / "config.yaml"
-    if not saved.is_file():
-        return "new"
-    if yaml.safe_load(saved.read_text()) != yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
-        return "other"
-    if not (cfg.run_dir / "metrics.jsonl").is_file():
-        return "partial"
-    return "done" if read_run(cfg.run_dir).last_step == cfg.train.max_steps else "partial"
 
 
 def train_in_process(cfg: Config, resume: bool = False) -> Path:
     """Train one run here, with a fresh accelerate state (accelerate keeps one per process)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from musiclm_stab.train import Trainer
+    from musiclm_stab.training.trainer import Trainer
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -208,7 +188,7 @@ def train_in_process(cfg: Config, resume: bool = False) -> Path:
 
 def read_result(cfg: Config, scheme: str, last: int = DEFAULT_LAST) -> SweepResult:
     """A run directory's sweep numbers (its metrics.jsonl, read as plots read it)."""
-    from musiclm_stab.plot import read_run
+    from musiclm_stab.analysis.plot import read_run
 
     run = read_run(cfg.run_dir)
     loss = run.metric("loss")  # finite values only; a non-finite loss leaves its step out
@@ -308,7 +288,7 @@ def make_sweep_figure(results: Sequence[SweepResult], last: int = DEFAULT_LAST):
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    from musiclm_stab.plot import COLOURS, FIGSIZE, MARKERS
+    from musiclm_stab.analysis.plot import COLOURS, FIGSIZE, MARKERS
 
     if not results:
         raise ValueError("no sweep results to plot")
@@ -370,7 +350,7 @@ def write_outputs(
     results: Sequence[SweepResult], out: str | Path, settings: dict, last: int = DEFAULT_LAST
 ) -> list[Path]:
     """sweep.json, sweep.csv, lr_sensitivity.png/.pdf in ``out``; returns the paths."""
-    from musiclm_stab.plot import PNG_DPI
+    from musiclm_stab.analysis.plot import PNG_DPI
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -443,25 +423,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--last", type=int, default=DEFAULT_LAST, help="final loss = mean of this many last steps")
     p.add_argument("--out", default="runs/lr_sweep", help="folder for the figure, tables and run directories")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="base recipe (default: recipes/tiny.yaml)")
-    p.add_argument(
-        "--data", help="tokenized dataset (default: the default corpus under --work, made if missing)"
-    )
-    p.add_argument("--work", default="work", help="without --data: folder for corpus, weights, tokens")
-    p.add_argument(
-        "--set",
-        nargs="+",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        dest="extra",
-        help="further overrides for every run (e.g. optim.clip_grad=1 train.mixed_precision=bf16)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: on 2 shared cores a tiny step took 0.45 s with one "
-        "thread, 2.6 s with two)",
-    )
+    add_job_options(p)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -482,9 +444,7 @@ def _sweep_main(args: argparse.Namespace) -> int:
     t0 = time.time()
     data = args.data
     if data is None:
-        from musiclm_stab.study import prepare_default_tokens
-
-        data = str(prepare_default_tokens(Path(args.work)))
+        data = str(default_data(args.work))
     try:
         results = run_sweep(
             args.schemes, args.lrs, args.steps, args.out, args.recipe, data, args.extra, args.last

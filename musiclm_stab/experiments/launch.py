@@ -1,0 +1,154 @@
+"""What the jobs share: the default data, launching a training run, and a run directory's state.
+
+    default_data(work)            the default corpus, EnCodec weights and tokens under ``work`` (reused when there)
+    launch_command(configs, ...)  the ``accelerate launch recipes/pretrain.py`` command line of one run
+    run_state(cfg)                new / done / partial / other: may a job start, resume, reuse or must it refuse
+    add_job_options(parser)       the options every job takes (--work, --data, --set, --threads)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from musiclm_stab.config import Config
+
+REPO = Path(__file__).resolve().parent.parent.parent
+RECIPES = REPO / "recipes"
+PRETRAIN = RECIPES / "pretrain.py"
+DEFAULT_NUM_TRACKS = 24
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The default data
+
+
+def ensure_weights(corpus_dir: Path, work: Path) -> tuple[str | None, str | None]:
+    """(weights file or None for the pretrained model, note for the data's metadata)."""
+    from musiclm_stab.encodec_weights import WeightsUnavailable, load_encodec, make_local_weights
+
+    try:
+        load_encodec(None)
+        print("using the pretrained EnCodec 24 kHz model")
+        return None, None
+    except WeightsUnavailable as e:
+        reason = str(e).splitlines()[0]
+    local = work / "encodec_local_seed0.pt"
+    note = ("local weights made by `musiclm-stab make-weights` (random encoder, codebooks fitted by seeded "
+            f"k-means on the default corpus) because the pretrained model could not be had: {reason}")
+    print("*" * 78)
+    print("The pretrained EnCodec weights could not be downloaded (no internet?).")
+    print(f"Using LOCAL weights instead: {local}")
+    print("They are recorded in the tokenized data's metadata (tokenizer.json: weights, weights_sha256, weights_note).")
+    print("*" * 78, flush=True)
+    if not local.exists():
+        files = sorted(p for p in corpus_dir.iterdir() if p.suffix in (".flac", ".wav"))
+        make_local_weights(files, local, seed=0, max_seconds=600)
+    return str(local), note
+
+
+def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | None) -> Path:
+    """``corpus_dir`` tokenized into ``out`` with ``weights``, unless it already is."""
+    from musiclm_stab.encodec_weights import load_encodec
+    from musiclm_stab.tokenize import tokenize
+
+    meta = out / "tokenizer.json"
+    if meta.exists():
+        _, info = load_encodec(weights)
+        if json.loads(meta.read_text()).get("weights_sha256") == info["weights_sha256"]:
+            print(f"reusing tokenized data in {out}")
+            return out
+        print(f"{out} was tokenized with other weights: tokenizing again")
+        shutil.rmtree(out)
+    print(tokenize(corpus_dir, out, weights=weights, weights_note=note))
+    return out
+
+
+def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS) -> Path:
+    """The default corpus (``num_tracks`` Bach chorales), its EnCodec weights and its tokens under ``work``,
+    each made only when missing; returns the tokenized folder."""
+    from musiclm_stab.corpus.build import build_corpus
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    banner(f"data 1/3: default corpus ({num_tracks} Bach chorales rendered with a General MIDI soundfont)")
+    corpus_dir = work / "default_corpus"
+    build_corpus(corpus_dir, num_tracks=num_tracks, seed=0)
+    banner("data 2/3: EnCodec weights")
+    weights, note = ensure_weights(corpus_dir, work)
+    banner("data 3/3: tokenize")
+    return ensure_tokens(corpus_dir, work / "default_corpus_tokens", weights, note)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launching a run
+
+
+def accelerate_executable() -> str:
+    """The venv's ``accelerate`` beside this Python, else the one on PATH."""
+    local = Path(sys.executable).with_name("accelerate")
+    return str(local) if local.exists() else "accelerate"
+
+
+def shown(path: str | Path) -> str:
+    """A path as a person would type it here: relative to the working directory when under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (), *, accelerate: str = "accelerate",
+                   single_process: bool = True, resume: bool = False) -> list[str]:
+    """``accelerate launch recipes/pretrain.py --config C ... --section.key=value ...``.
+
+    ``single_process``: one process without an accelerate config file (precision comes from the run's
+    config); else the machine's own ``accelerate config`` decides (a cluster)."""
+    launch = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"] if single_process else []
+    cmd = [accelerate, "launch", *launch, shown(PRETRAIN)]
+    for config in configs:
+        cmd += ["--config", shown(config)]
+    return [*cmd, *overrides, *(["--resume"] if resume else [])]
+
+
+def run_state(cfg: Config) -> str:
+    """What ``cfg.run_dir`` holds: ``new`` (nothing), ``done`` (this config, trained to its last step),
+    ``partial`` (this config, interrupted: resume it) or ``other`` (another config: never overwritten)."""
+    from musiclm_stab.analysis.runs import read_run
+
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return "new"
+    if yaml.safe_load(saved.read_text()) != yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+        return "other"
+    if not (cfg.run_dir / "metrics.jsonl").is_file():
+        return "partial"
+    last = min(cfg.train.max_steps, cfg.train.stop_at or cfg.train.max_steps)
+    return "done" if read_run(cfg.run_dir).last_step == last else "partial"
+
+
+def add_job_options(p: argparse.ArgumentParser, threads_help: str = "") -> None:
+    """--work, --data, --set and --threads, the same for every job."""
+    p.add_argument("--data", help="tokenized dataset (default: the default corpus under --work, made if missing)")
+    p.add_argument("--work", default="work", help="without --data: folder for the corpus, weights and tokens")
+    p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", dest="extra",
+                   help="further overrides for every run (e.g. data.batch_size=2 train.mixed_precision=bf16)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per run (default 1: on 2 shared cores a tiny step took 0.45 s with one "
+                   f"thread, 2.6 s with two); 0 leaves it as it is{threads_help}")
+
+
+def as_overrides(extra: Sequence[str]) -> list[str]:
+    """``section.key=value`` items of --set as ``--section.key=value`` overrides."""
+    return [e if e.startswith("--") else f"--{e}" for e in extra]

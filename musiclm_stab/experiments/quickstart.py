@@ -1,0 +1,60 @@
+"""The main job, end to end: default corpus -> EnCodec weights -> tokenize -> pretrain -> evaluate -> plot.
+
+    musiclm-stab quickstart [--work work] [--steps 200] [--num-tracks 24]
+
+Each stage is reused when its output already exists (same settings), so a rerun only trains a new run.
+Training runs through the real ``accelerate launch recipes/pretrain.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from musiclm_stab.experiments.launch import (
+    DEFAULT_NUM_TRACKS,
+    RECIPES,
+    accelerate_executable,
+    banner,
+    default_data,
+    launch_command,
+)
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="musiclm-stab quickstart", description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", default="work", help="folder for the corpus, weights and tokenized data")
+    p.add_argument("--runs", default="runs", help="folder for run directories")
+    p.add_argument("--num-tracks", type=int, default=DEFAULT_NUM_TRACKS)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--recipe", default=str(RECIPES / "tiny.yaml"))
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after tokenizing (the data the benchmarks and the study use)")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    tokens = default_data(args.work, args.num_tracks)
+    if args.data_only:
+        print(f"\ndata ready in {time.time() - t0:.0f} s: {tokens}")
+        return 0
+
+    banner("pretrain (accelerate launch recipes/pretrain.py)")
+    name = time.strftime("tiny-%Y%m%d-%H%M%S")
+    cmd = launch_command([args.recipe], [f"--data.path={tokens}", f"--train.name={name}",
+                                         f"--train.output_dir={args.runs}", f"--train.max_steps={args.steps}"],
+                         accelerate=accelerate_executable())
+    print(shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    run_dir = Path(args.runs) / name
+
+    banner("evaluate and plot")
+    from musiclm_stab.analysis.evaluate import evaluate, format_table
+    from musiclm_stab.analysis.plot import plot_runs, read_run
+
+    print(format_table(evaluate(run_dir)))
+    figures = plot_runs([read_run(run_dir)], run_dir / "figures")
+    print(f"figures: {', '.join(str(f) for f in figures if f.suffix == '.png')}")
+    print(f"\nmain job done in {time.time() - t0:.0f} s. Run directory: {run_dir}")
+    return 0

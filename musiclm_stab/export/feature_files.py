@@ -1,0 +1,210 @@
+"""Features of a folder of audio, written to .npy files as they are made, resumable, with a manifest.
+
+    musiclm-stab features MODEL SRC OUT [--layers 0 6 12] [--chunk-seconds 30] [--overlap-seconds 10]
+
+See ``export/features.py`` for what a frame and a layer are, and how long audio is chunked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.export.features import (
+    DEFAULT_CHUNK_SECONDS,
+    FeatureModel,
+    iter_features,
+    load_feature_model,
+    overlap_seconds_for,
+    resolve_layers,
+)
+
+MANIFEST = "features.json"
+SAME_RUN_KEYS = ("model", "layers", "chunk_seconds", "overlap_seconds", "dtype")
+
+
+def _write_npy_header(f, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(f, header)
+
+
+def write_features(
+    wav: torch.Tensor,
+    model: FeatureModel,
+    out_dir: Path,
+    layers: list[int],
+    chunk_seconds: float,
+    overlap_seconds: float | None = None,
+    dtype: str = "float32",
+) -> int:
+    """Write ``out_dir/layer_XX.npy`` ([T, D] each) chunk by chunk, never holding a whole layer; returns T.
+
+    Written under a temporary name and renamed when complete, so a directory that exists is whole.
+    """
+    T = math.ceil(wav.numel() / HOP_LENGTH)
+    np_dtype = np.dtype(dtype)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    files = {layer: open(partial / f"layer_{layer:02d}.npy", "wb") for layer in layers}
+    try:
+        for f in files.values():
+            _write_npy_header(f, (T, model.width), np_dtype)
+        for _, feats in iter_features(wav, model, layers, chunk_seconds, overlap_seconds):
+            for layer, x in zip(layers, feats):
+                files[layer].write(np.ascontiguousarray(x.numpy().astype(np_dtype)).tobytes())
+    finally:
+        for f in files.values():
+            f.close()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(partial, out_dir)
+    return T
+
+
+@dataclass
+class FolderSummary:
+    written: list[dict] = field(default_factory=list)  # {"source", "output", "frames"}
+    skipped: list[str] = field(default_factory=list)  # outputs that existed already
+    failed: list[dict] = field(default_factory=list)  # {"source", "reason"}
+
+
+def _output_names(files: list[Path], src: Path) -> list[Path]:
+    """Output directory (relative) per file: its path without the suffix, or with it where two would clash."""
+    rel = [f.relative_to(src) for f in files]
+    stems = [r.with_suffix("") for r in rel]
+    clash = {s for s in stems if stems.count(s) > 1}
+    return [r.with_name(r.name.replace(".", "_")) if s in clash else s for r, s in zip(rel, stems)]
+
+
+def extract_folder(
+    model: FeatureModel | str | Path,
+    src: str | Path,
+    out: str | Path,
+    layers: Sequence[int] | None = None,
+    chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
+    overlap_seconds: float | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    progress: bool = True,
+    device: str | None = None,
+) -> FolderSummary:
+    """Features of every audio file under ``src`` (or of the file ``src``) into ``out``.
+
+    One directory per file, ``out/<relative path without suffix>/layer_XX.npy`` ([T, D]), and
+    ``out/features.json`` (model, layers, settings, files, failures). Files whose directory exists are
+    skipped unless ``overwrite``; an ``out`` made with other settings is refused. Unreadable audio is
+    reported in ``failed`` and the run goes on.
+    """
+    from musiclm_stab.audio import AudioError, list_audio_files, load_audio
+
+    if not isinstance(model, FeatureModel):
+        model = load_feature_model(model, device)
+    src, out = Path(src), Path(out)
+    if src.is_file():
+        files, names = [src], [Path(src.stem)]
+    elif src.is_dir():
+        files = list_audio_files(src)
+        names = _output_names(files, src)
+    else:
+        raise ValueError(f"{src} is neither an audio file nor a folder")
+    chosen = resolve_layers(layers, model.num_layers)
+    overlap_seconds = overlap_seconds_for(chunk_seconds, overlap_seconds)
+    settings = {
+        "model": model.source,
+        "model_kind": model.kind,
+        "layers": chosen,
+        "chunk_seconds": chunk_seconds,
+        "overlap_seconds": overlap_seconds,
+        "dtype": dtype,
+        "frame_rate": FRAME_RATE,
+        "sample_rate": SAMPLE_RATE,
+        "width": model.width,
+        "num_layers": model.num_layers,
+    }
+    manifest = out / MANIFEST
+    if manifest.is_file() and not overwrite:
+        old = json.loads(manifest.read_text())
+        differ = [k for k in SAME_RUN_KEYS if old.get(k) != settings[k]]
+        if differ:
+            raise ValueError(
+                f"{out} holds features made with other settings ({', '.join(differ)} differ); "
+                "use another output folder or overwrite=True (--overwrite)"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    summary = FolderSummary()
+    for path, name in tqdm(list(zip(files, names)), desc="features", unit="file", disable=not progress):
+        target = out / name
+        if target.is_dir() and not overwrite:
+            summary.skipped.append(str(name))
+            continue
+        try:
+            wav = load_audio(path)
+        except AudioError as e:
+            summary.failed.append({"source": str(path), "reason": e.reason})
+            continue
+        frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
+        summary.written.append({"source": str(path), "output": str(name), "frames": frames})
+    manifest.write_text(
+        json.dumps(
+            {**settings, "written": summary.written, "skipped": summary.skipped, "failed": summary.failed},
+            indent=2,
+        )
+    )
+    return summary
+
+
+def _parse_layers(values: list[str] | None) -> list[int] | None:
+    if not values or values == ["all"]:
+        return None
+    return [int(v) for item in values for v in item.split(",") if v]
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="musiclm-stab features", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="run directory, checkpoint directory, or export directory")
+    p.add_argument("src", help="audio file, or folder searched recursively")
+    p.add_argument("out", help="output folder: <file>/layer_XX.npy ([T, D]) and features.json")
+    p.add_argument(
+        "--layers", nargs="+", help="layer indices 0..N (negative from the end) or 'all' (default)"
+    )
+    p.add_argument("--chunk-seconds", type=float, default=DEFAULT_CHUNK_SECONDS)
+    p.add_argument("--overlap-seconds", type=float, default=None, help="default: a third of --chunk-seconds")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="storage type")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--overwrite", action="store_true", help="recompute files whose output exists")
+    args = p.parse_args(argv)
+    try:
+        summary = extract_folder(
+            args.model,
+            args.src,
+            args.out,
+            _parse_layers(args.layers),
+            args.chunk_seconds,
+            args.overlap_seconds,
+            args.dtype,
+            args.overwrite,
+            device=args.device,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(summary.written)} written, {len(summary.skipped)} skipped (existing), "
+        f"{len(summary.failed)} failed -> {Path(args.out) / MANIFEST}"
+    )
+    for f in summary.failed:
+        print(f"  failed: {f['source']}: {f['reason']}", file=sys.stderr)
+    return 1 if summary.failed and not summary.written and not summary.skipped else 0

@@ -1,0 +1,86 @@
+"""The masked-LM objective, written once, and its metrics by name.
+
+Per batch, on the N masked frames only:
+
+    loss = frame_weight * (sum_k CE_k + musical_weight * MSE(CQT)) + features_pen_weight * features_pen
+
+CE_k is the cross-entropy of codebook k's head against the EnCodec codes, MSE the regression of the
+clean crop's CQT, features_pen = mean(features^2) of the conv frontend over every frame. ``frame_weight``
+is 1 on one process; with several, the trainer sets it to this process's share of the global batch's
+masked frames (so the mean over processes is the global batch's mean). Training, evaluation and the
+exported model's check all go through ``mlm_objective``; ``MLMOutput.metrics`` names every logged value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MLMOutput:
+    loss: torch.Tensor  # scalar: the training objective (with frame_weight)
+    acoustic_mlm_loss: torch.Tensor  # scalar: sum over codebooks of the per-codebook CE (unweighted)
+    acoustic_ce: torch.Tensor  # [K] CE per codebook
+    acoustic_acc: torch.Tensor  # [K] accuracy per codebook
+    musical_mlm_loss: torch.Tensor  # scalar MSE on CQT magnitudes
+    features_pen: torch.Tensor  # scalar mean(features^2)
+    mask_fraction: torch.Tensor  # scalar: share of frames masked
+    frame_weight: torch.Tensor | float = 1.0  # see the module docstring
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Every logged value by its metric name (detached fp32 scalars). Means over masked frames are
+        multiplied by ``frame_weight``, so that their mean over processes is the global batch's."""
+        w = self.frame_weight
+        out = {"loss": self.loss, "acoustic_mlm_loss": self.acoustic_mlm_loss * w,
+               "musical_mlm_loss": self.musical_mlm_loss * w, "features_pen": self.features_pen,
+               "mask_fraction": self.mask_fraction}
+        out.update({f"acoustic_mlm_loss/cb{k}": ce * w for k, ce in enumerate(self.acoustic_ce)})
+        out.update({f"acoustic_acc/cb{k}": acc * w for k, acc in enumerate(self.acoustic_acc)})
+        return {name: value.detach().float() for name, value in out.items()}
+
+
+def objective(acoustic_mlm_loss, musical_mlm_loss, features_pen, musical_weight: float,
+              features_pen_weight: float, frame_weight: torch.Tensor | float = 1.0):
+    """The training objective from its parts (tensors or floats): the one place it is written."""
+    return frame_weight * (acoustic_mlm_loss + musical_weight * musical_mlm_loss) + features_pen_weight * features_pen
+
+
+def acoustic_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy per codebook on masked frames.
+
+    logits: [N, K, V] for the N masked frames; targets: [N, K] codes.
+    Returns (acoustic_mlm_loss = sum over codebooks of the mean CE, ce per codebook [K], accuracy [K]).
+    """
+    N, K, V = logits.shape
+    if N == 0:
+        zeros = logits.new_zeros(K)
+        return zeros.sum(), zeros, zeros
+    ce = F.cross_entropy(logits.reshape(N * K, V).float(), targets.reshape(N * K), reduction="none")
+    ce_per_codebook = ce.view(N, K).mean(0)  # (K,)
+    acc = (logits.argmax(-1) == targets).float().mean(0)  # (K,)
+    return ce_per_codebook.sum(), ce_per_codebook, acc
+
+
+def musical_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE between predicted and true CQT magnitudes of the masked frames: [N, n_bins] each."""
+    if pred.shape[0] == 0:
+        return pred.new_zeros(())
+    return F.mse_loss(pred.float(), target.float())
+
+
+def mlm_objective(acoustic_logits: torch.Tensor, codes: torch.Tensor, musical_pred: torch.Tensor,
+                  cqt: torch.Tensor, features_pen: torch.Tensor, mask: torch.Tensor, musical_weight: float,
+                  features_pen_weight: float, frame_weight: torch.Tensor | float = 1.0) -> MLMOutput:
+    """The objective and its parts for one batch.
+
+    acoustic_logits: [N, K, V] and musical_pred: [N, n_bins] of the N masked frames (``x[mask]``);
+    codes: [B, K, T] EnCodec codes; cqt: [B, T, n_bins] CQT of the clean crop; mask: [B, T] bool.
+    """
+    ce_sum, ce, acc = acoustic_losses(acoustic_logits, codes.transpose(1, 2)[mask].long())  # targets (N, K)
+    mus = musical_loss(musical_pred, cqt[mask])
+    loss = objective(ce_sum, mus, features_pen, musical_weight, features_pen_weight, frame_weight)
+    return MLMOutput(loss=loss, acoustic_mlm_loss=ce_sum, acoustic_ce=ce, acoustic_acc=acc, musical_mlm_loss=mus,
+                     features_pen=features_pen, mask_fraction=mask.float().mean(), frame_weight=frame_weight)

@@ -1,0 +1,9 @@
+"""Pretraining under accelerate.
+
+    trainer.py     the loop: Trainer.train_step (micro-batches) and Trainer.update; main() for recipes/pretrain.py
+    optim.py       AdamW and the warmup / linear-decay schedule
+    stability.py   gradient clipping rules, the spike guard, per-layer diagnostics
+    checkpoint.py  checkpoints that are complete or absent, coordinated across processes
+    run_dir.py     the run directory: refusals, config.yaml, metrics.jsonl rows
+    trained.py     a trained model from a run or checkpoint directory
+"""

@@ -1,0 +1,67 @@
+"""The run directory: refusing what must not happen to one, writing its config, and its metrics rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from musiclm_stab.config import Config, ConfigError, save_config
+
+
+class MetricsWriter:
+    """Appends one JSON row per logged step to metrics.jsonl (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
+    """Refuse to overwrite a run, to resume with another model config, or to mix tokenizers."""
+    from musiclm_stab.tokenize import check_same_tokenizer
+
+    run_dir = cfg.run_dir
+    saved_cfg = run_dir / "config.yaml"
+    if saved_cfg.exists() and not resume:
+        raise ConfigError(f"run directory {run_dir} already exists; pass --resume to continue it, "
+                          f"or choose another --train.name")
+    if resume and saved_cfg.exists():
+        old = yaml.safe_load(saved_cfg.read_text())
+        new = cfg.to_dict()
+        changed = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
+        if changed:
+            raise ConfigError(f"cannot resume {run_dir} with a changed model config: {', '.join(changed)} "
+                              f"differ from {saved_cfg}")
+        old_tok = run_dir / "tokenizer.json"
+        if old_tok.exists():
+            check_same_tokenizer(json.loads(old_tok.read_text()), tokenizer_info, f"run {run_dir}",
+                                 f"data {cfg.data.path}")
+
+
+def global_batch_crops(cfg: Config, num_processes: int) -> int:
+    """Crops in one optimizer update, over all processes and accumulated micro-batches."""
+    return cfg.data.batch_size * cfg.train.grad_accum * num_processes
+
+
+def global_batch(cfg: Config, num_processes: int) -> str:
+    """One line stating the global batch (one optimizer update) in crops and audio-seconds."""
+    crops = global_batch_crops(cfg, num_processes)
+    return (f"global batch {crops} crops = {crops * cfg.data.crop_seconds:g} audio-s per update "
+            f"(data.batch_size {cfg.data.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
+            f"{num_processes} process(es) x data.crop_seconds {cfg.data.crop_seconds:g})")
+
+
+def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1) -> Path:
+    run_dir = cfg.run_dir
+    saved_cfg = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    save_config(cfg, saved_cfg, comment=f"launched with {global_batch(cfg, num_processes)}")
+    (run_dir / "tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2))
+    return run_dir

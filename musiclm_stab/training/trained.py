@@ -1,0 +1,45 @@
+"""A trained model from a run directory or a checkpoint directory (for evaluation, export and features)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from musiclm_stab.config import Config, ConfigError, config_from_run
+from musiclm_stab.model import MusicMLM
+from musiclm_stab.training.checkpoint import STATE_FILE, newest_valid
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run_dir, checkpoint_dir) from a run directory (newest complete checkpoint) or a checkpoint dir."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        ckpt = newest_valid(path)
+        if ckpt is None:
+            raise ConfigError(f"{path} has no complete checkpoint in {path / 'checkpoints'}")
+        return path, ckpt
+    if (path / STATE_FILE).is_file() and (path.parent.parent / "config.yaml").is_file():
+        return path.parent.parent, path
+    raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a complete checkpoint "
+                      f"(with {STATE_FILE})")
+
+
+def load_model(ckpt: Path, cfg: Config, device: str = "cpu") -> MusicMLM:
+    """The model of checkpoint ``ckpt`` (of a run with config ``cfg``), in eval mode on ``device``."""
+    model = MusicMLM(cfg.model)
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{ckpt} has no model.safetensors")
+    model.load_state_dict(load_file(str(weights), device="cpu"))
+    return model.to(device).eval()
+
+
+def load_checkpoint(path: str | Path) -> tuple[MusicMLM, Path, int | None]:
+    """(model in eval mode on CPU, checkpoint dir, step) from a run directory or a checkpoint directory."""
+    run_dir, ckpt = resolve_checkpoint(path)
+    model = load_model(ckpt, config_from_run(run_dir), "cpu")
+    state = ckpt / "trainer_state.json"  # the run-directory contract: written last, holds the step
+    step = json.loads(state.read_text()).get("step") if state.is_file() else None
+    return model, ckpt, step
