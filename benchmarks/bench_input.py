@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from musiclm_stab.config import DataConfig, ModelConfig
 from musiclm_stab.data import Collator, CropDataset, EpochSampler, split_indices
+from musiclm_stab.data.tokenized import load_tokenized
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.tokenize import load_tokenized
 
 
 def main() -> None:

@@ -2,21 +2,30 @@
 peak memory against track length, and codes near segment boundaries against a whole-track encode.
 
     .venv/bin/python benchmarks/bench_tokenize.py throughput --work /tmp/bench_tok --weights W --tracks 8 --repeats 2
-    .venv/bin/python benchmarks/bench_tokenize.py memory --work /tmp/bench_tok --weights W --minutes 1 60
+    .venv/bin/python benchmarks/bench_tokenize.py memory --work /tmp/bench_tok --weights W --minutes 2 60 180
     .venv/bin/python benchmarks/bench_tokenize.py boundary --work /tmp/bench_tok --weights W --tracks 24
+    .venv/bin/python benchmarks/bench_tokenize.py workers --work /tmp/bench_tok --weights W --minutes 20
 
 throughput: ``musiclm-stab tokenize`` (defaults: one worker process per core, batches of 8 segments)
 against the loop of the public implementation: one file at a time, decode it whole, ``convert_audio``
 (down-mix + ``torchaudio.transforms.Resample``), ``model.encode`` of the whole track, torch's default
 threads. Both run as fresh processes, end to end (imports, model load, writing output for ours), on
 the same files, alternating, so load from other jobs hits both alike.
-memory: a 1-minute and a 60-minute track (corpus tracks concatenated, 44.1 kHz stereo FLAC) each
-tokenized by a fresh ``musiclm-stab tokenize`` process; its peak resident memory as the kernel counts
-it (the largest process of the run; a single track runs in one process), and the sum over the process
-and its children sampled every 0.1 s (which can miss a short peak). The peak is set by the encoder's activations for one batch
-(``--batch-size`` segments of 10 s), so compare tracks long enough to fill a batch (a 1-minute track
-has 6 segments: use ``--batch-size`` 6 or less, or compare 2 minutes with 60). ``--naive-minutes`` runs the naive
-whole-track encode on tracks of those lengths for comparison (it grows with length: keep them short).
+memory: one track per length in ``--minutes`` (corpus tracks concatenated, 44.1 kHz stereo FLAC, 16-bit),
+each tokenized by a fresh ``musiclm-stab tokenize`` process with its defaults (one worker per core,
+batches of 8 10-s segments, tracks of 10 minutes or more cut into 5-minute pieces that all workers
+share); its peak resident memory as the kernel counts it (ru_maxrss: the largest single process of the
+run, a worker), the sum over the process tree sampled every 0.1 s (which can miss a short peak), wall
+time, real-time factor, CPU time, and from the unit records how many units there were and how many
+worker processes encoded them. The peak is set by the encoder's activations for one batch (``--batch-size``
+segments), so compare tracks long enough to fill a batch (a 1-minute track has 6 segments: compare 2
+minutes with 60 and 180). ``--naive-minutes`` runs the naive whole-track encode on tracks of those
+lengths for comparison (it grows with length: keep them short).
+workers: one long track (``--minutes``, the first value) tokenized whole by one worker
+(``--workers 1 --piece-seconds 0``: one unit, as before tracks were cut into pieces) and in pieces by
+``--workers`` (default 2) workers: wall time of each, how many worker processes encoded units, and
+whether the two outputs hold bit-identical rows (ids, starts, pcm, codes). ``--piece-seconds`` sets the
+pieces' length (the default, 300 s in whole batches of 8 segments, cuts tracks of 640 s and more).
 boundary: every 10 s segment encoded alone vs the whole track encoded at once: the fraction of equal
 codes per codebook by position within the segment (segments after the first of each track).
 ``--weights`` defaults to local weights fitted on the corpus (the pretrained model needs internet);
@@ -44,7 +53,7 @@ CLI = [sys.executable, "-m", "musiclm_stab.cli"]
 
 
 def corpus(work: Path, tracks: int) -> list[Path]:
-    from musiclm_stab.corpus import build_corpus
+    from musiclm_stab.corpus.build import build_corpus
 
     return build_corpus(work / "corpus", num_tracks=max(tracks, 24), seed=0, progress=False)[:tracks]
 
@@ -54,7 +63,7 @@ def weights_file(work: Path, files: list[Path], given: str | None) -> str:
         return given
     path = work / "encodec_local_seed0.th"
     if not path.exists():
-        from musiclm_stab.encodec_weights import make_local_weights
+        from musiclm_stab.tokenizer.fit import make_local_weights
 
         make_local_weights(files, path, seed=0, max_seconds=600, progress=False)
     return str(path)
@@ -103,7 +112,7 @@ def naive_child(weights: str, files: list[str]) -> None:
     import torch
     from encodec.utils import convert_audio
 
-    from musiclm_stab.encodec_weights import load_encodec
+    from musiclm_stab.tokenizer.weights import load_encodec
 
     model, _ = load_encodec(weights)
     seconds = 0.0
@@ -174,24 +183,50 @@ def long_track(files: list[Path], minutes: float, path: Path) -> Path:
     return path
 
 
+def _long_track_files(work: Path, args, minutes: list[float]) -> list[Path]:
+    """The corpus, when something must be made from it (a long track not yet there, or weights)."""
+    missing = [m for m in minutes if not (work / f"long_{m:g}min" / f"track_{m:g}min.flac").exists()]
+    return corpus(work, 24) if missing or not args.weights else []
+
+
 def memory(args, work: Path) -> dict:
-    files = corpus(work, 24)
+    files = _long_track_files(work, args, [*args.minutes, *args.naive_minutes])
     weights = weights_file(work, files, args.weights)
     results = {}
+    rows = []
     for minutes in args.minutes:
         folder = work / f"long_{minutes:g}min"
         folder.mkdir(exist_ok=True)
-        track = long_track(files, minutes, folder / f"track_{minutes:g}min.flac")
+        long_track(files, minutes, folder / f"track_{minutes:g}min.flac")
         out = work / f"tokens_long_{minutes:g}min"
         shutil.rmtree(out, ignore_errors=True)
-        r = run_measured([*CLI, "tokenize", str(folder), str(out), "--weights", weights, "--no-progress",
-                          "--batch-size", str(args.batch_size)])
+        cmd = [*CLI, "tokenize", str(folder), str(out), "--weights", weights, "--no-progress",
+               "--batch-size", str(args.batch_size)]
+        if args.workers is not None:
+            cmd += ["--workers", str(args.workers)]
+        r = run_measured(cmd)
         line = [x for x in r["output"].splitlines() if x.startswith("tokenized")]
-        results[f"ours_{minutes:g}min"] = {k: r[k] for k in ("wall_s", "peak_process_rss_mb", "peak_tree_rss_mb")}
+        records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").glob("u*.json")]
+        pids = {rec.get("pid") for rec in records}
+        row = {k: r[k] for k in ("wall_s", "cpu_s", "peak_process_rss_mb", "peak_tree_rss_mb", "load_before")}
+        row.update(minutes=minutes, x_realtime=minutes * 60 / r["wall_s"], units=len(records),
+                   worker_processes=len(pids - {None}))
+        results[f"ours_{minutes:g}min"] = row
+        rows.append(row)
         print(f"ours  {minutes:5g} min track, --batch-size {args.batch_size}: peak RSS {r['peak_process_rss_mb']:.0f} MB "
               f"(sampled, process tree: {r['peak_tree_rss_mb']:.0f} MB), {r['wall_s']:.0f} s "
-              f"({minutes * 60 / r['wall_s']:.2f}x real time); {line[0] if line else ''}", flush=True)
+              f"({minutes * 60 / r['wall_s']:.2f}x real time, CPU {r['cpu_s']:.0f} s), {len(records)} units by "
+              f"{row['worker_processes']} worker processes; load average before {r['load_before']:.1f}; "
+              f"{line[0] if line else ''}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
+    if rows:
+        base = rows[0]["peak_process_rss_mb"]
+        print("| track | peak RSS (largest process) | vs first | time | real time factor | CPU | units / worker processes |")
+        print("|---|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['minutes']:g} min | {row['peak_process_rss_mb']:.0f} MB | "
+                  f"{100 * (row['peak_process_rss_mb'] / base - 1):+.1f}% | {row['wall_s']:.0f} s | "
+                  f"{row['x_realtime']:.1f}x | {row['cpu_s']:.0f} s | {row['units']} / {row['worker_processes']} |")
     for minutes in args.naive_minutes:
         folder = work / f"long_{minutes:g}min"
         folder.mkdir(exist_ok=True)
@@ -206,12 +241,58 @@ def memory(args, work: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _same_rows(a: Path, b: Path) -> bool:
+    """Whether two tokenized outputs hold the same rows, bit for bit, in the same order."""
+    from musiclm_stab.data.tokenized import load_tokenized
+
+    da, db = load_tokenized(a)[0].with_format("numpy"), load_tokenized(b)[0].with_format("numpy")
+    if da.num_rows != db.num_rows or da["id"] != db["id"]:
+        return False
+    for i in range(0, da.num_rows, 32):  # a few batches of rows at a time: bounded memory
+        x, y = da[i : i + 32], db[i : i + 32]
+        for col in ("start", "num_frames", "pcm", "codes"):
+            if not all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(x[col], y[col], strict=True)):
+                return False
+    return True
+
+
+def workers(args, work: Path) -> dict:
+    """One long track: whole in one worker vs in pieces shared by ``--workers`` workers; same rows?"""
+    minutes = args.minutes[0]
+    files = _long_track_files(work, args, [minutes])
+    weights = weights_file(work, files, args.weights)
+    folder = work / f"long_{minutes:g}min"
+    folder.mkdir(exist_ok=True)
+    long_track(files, minutes, folder / f"track_{minutes:g}min.flac")
+    n = args.workers or 2
+    results = {}
+    for name, extra in (("whole, 1 worker", ["--workers", "1", "--piece-seconds", "0"]),
+                        (f"pieces, {n} workers", ["--workers", str(n)] +
+                         (["--piece-seconds", f"{args.piece_seconds:g}"] if args.piece_seconds else []))):
+        out = work / f"tokens_workers_{len(results)}"
+        shutil.rmtree(out, ignore_errors=True)
+        r = run_measured([*CLI, "tokenize", str(folder), str(out), "--weights", weights, "--no-progress", *extra])
+        records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").glob("u*.json")]
+        row = {"wall_s": round(r["wall_s"], 1), "cpu_s": round(r["cpu_s"], 1), "x_realtime": round(minutes * 60 / r["wall_s"], 2),
+               "units": len(records), "worker_processes": len({rec.get("pid") for rec in records} - {None}),
+               "peak_process_rss_mb": round(r["peak_process_rss_mb"]), "load_before": round(r["load_before"], 1)}
+        results[name] = row
+        print(f"{minutes:g} min track, {name}: {row}", flush=True)
+    names = list(results)
+    same = _same_rows(work / "tokens_workers_0", work / "tokens_workers_1")
+    speedup = results[names[0]]["wall_s"] / results[names[1]]["wall_s"]
+    print(f"rows bit-identical: {same}; wall-time speed-up {speedup:.2f}x with {n} workers")
+    for i in range(2):
+        shutil.rmtree(work / f"tokens_workers_{i}", ignore_errors=True)
+    return {**results, "same_rows": same, "speedup": speedup}
+
+
 def boundary(args, work: Path) -> dict:
     """Equal codes, per codebook and position in a segment, between per-segment and whole-track encodes."""
     import torch
 
     from musiclm_stab.audio import load_audio
-    from musiclm_stab.encodec_weights import load_encodec, one_thread, prepare_for_inference
+    from musiclm_stab.tokenizer.weights import load_encodec, one_thread, prepare_for_inference
 
     files = corpus(work, args.tracks)
     model, info = load_encodec(weights_file(work, files, args.weights))
@@ -251,15 +332,19 @@ def boundary(args, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["throughput", "memory", "boundary", "naive-child", "maxrss-child"])
+    p.add_argument("what", choices=["throughput", "memory", "workers", "boundary", "naive-child", "maxrss-child"])
     p.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/bench_tokenize")
     p.add_argument("--weights", default=None)
     p.add_argument("--tracks", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--minutes", type=float, nargs="+", default=[1, 60])
+    p.add_argument("--minutes", type=float, nargs="+", default=[2, 60, 180])
     p.add_argument("--naive-minutes", type=float, nargs="*", default=[])
     p.add_argument("--batch-size", type=int, default=8, help="memory: the tokenizer's --batch-size")
+    p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
+    p.add_argument("--piece-seconds", type=float, default=None,
+                   help="workers: the tokenizer's --piece-seconds for the run in pieces (default: its own, 300 s; "
+                   "a track is cut when it holds two pieces of whole batches, i.e. from 640 s at --batch-size 8)")
     if sys.argv[1:2] == ["maxrss-child"]:
         maxrss_child(sys.argv[2:])
     args = p.parse_args()
@@ -268,7 +353,7 @@ def main() -> None:
         return
     work = Path(args.work).resolve()  # the subset folder links to corpus files by absolute path
     work.mkdir(parents=True, exist_ok=True)
-    {"throughput": throughput, "memory": memory, "boundary": boundary}[args.what](args, work)
+    {"throughput": throughput, "memory": memory, "workers": workers, "boundary": boundary}[args.what](args, work)
 
 
 if __name__ == "__main__":

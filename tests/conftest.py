@@ -56,7 +56,7 @@ def make_music() -> Callable[..., np.ndarray]:
 @pytest.fixture(scope="session")
 def local_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """EnCodec weights with codebooks fitted on 24 s of synthetic music (seed 0); path to the file."""
-    from musiclm_stab.encodec_weights import make_local_weights
+    from musiclm_stab.tokenizer.fit import make_local_weights
 
     root = tmp_path_factory.mktemp("weights")
     audio = root / "audio"
@@ -74,7 +74,7 @@ def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: P
 
     Each track gives a 10 s segment and a 2 s tail: 6 rows.
     """
-    from musiclm_stab.tokenize import tokenize
+    from musiclm_stab.tokenizer.pipeline import tokenize
 
     root = tmp_path_factory.mktemp("tokenized")
     src = root / "audio"

@@ -48,7 +48,10 @@ def test_compressed_and_other_formats_decode(tmp_path, make_music, ext, kwargs, 
     path = tmp_path / f"a.{ext}"
     sf.write(path, x, SR, **kwargs)
     wave = load_audio(path).numpy()
-    assert abs(len(wave) - len(x)) <= 1200  # lossy codecs may pad; these come back exact here
+    if ext in ("ogg", "mp3"):
+        assert abs(len(wave) - len(x)) <= 1200  # lossy codecs may pad (measured: 0 samples off here)
+    else:
+        assert len(wave) == len(x)  # lossless: exactly the samples written
     n = min(len(x), len(wave))
     assert np.corrcoef(x[:n], wave[:n])[0, 1] > min_corr
 

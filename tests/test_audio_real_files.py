@@ -304,7 +304,8 @@ def test_later_passes_reopen_the_file_and_read_in_blocks(soundtrack, tmp_path, m
 
 def test_tokenizer_keeps_every_file_that_decodes_whole(tmp_path, local_weights, make_music):
     """The tokenizer tokenizes a stream-copied clip, an early end-of-stream, a late granule and a peak of 40."""
-    from musiclm_stab.tokenize import load_tokenized, tokenize
+    from musiclm_stab.data.tokenized import load_tokenized
+    from musiclm_stab.tokenizer.pipeline import tokenize
 
     pages = ogg_pages(vorbis_bytes(make_music(4.0, seed=24, sr=SRC_SR, channels=2), SRC_SR))  # short: fast
     src = tmp_path / "src"

@@ -9,7 +9,8 @@ import yaml
 
 from musiclm_stab.analysis.evaluate import evaluate
 from musiclm_stab.config import load_config
-from musiclm_stab.tokenize import merge_shards, tokenize
+from musiclm_stab.tokenizer.merge import merge_shards
+from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)

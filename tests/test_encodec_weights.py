@@ -13,19 +13,14 @@ import urllib.error
 import pytest
 import torch
 
-from musiclm_stab.encodec_weights import (
+from musiclm_stab.tokenizer.fit import cli_main, codebook_usage, make_local_weights
+from musiclm_stab.tokenizer.kmeans import exact_grid, held_out_residual, kmeans, snap
+from musiclm_stab.tokenizer.weights import (
     PRETRAINED_CHECKPOINT,
     WeightsUnavailable,
     _new_model,
-    cli_main,
-    codebook_usage,
-    exact_grid,
-    held_out_residual,
-    kmeans,
     load_encodec,
-    make_local_weights,
     one_thread,
-    snap,
     weights_sha256,
 )
 
@@ -128,7 +123,7 @@ def test_made_weights_are_the_same_bytes_on_every_cpu(local_weights):
     audio = sorted((local_weights.parent / "audio").glob("*.wav"))
     script = (
         "import sys\n"
-        "from musiclm_stab.encodec_weights import make_local_weights\n"
+        "from musiclm_stab.tokenizer.fit import make_local_weights\n"
         "if __name__ == '__main__':\n"
         "    make_local_weights(sys.argv[2:], sys.argv[1], seed=0, max_seconds=60, iters=8, progress=False,\n"
         "                       workers=2)\n"
@@ -212,8 +207,12 @@ def test_kmeans_converges_to_a_seeded_fixed_point_using_every_code():
     means = torch.zeros_like(c).index_add_(0, assign, x) / counts[:, None]
     torch.testing.assert_close(c, means)
     inertia = (x - c[assign]).pow(2).sum()
-    start = x[torch.randperm(400, generator=torch.Generator().manual_seed(1))[:64]]
-    assert inertia < 0.7 * torch.cdist(x, start).min(dim=1).values.pow(2).sum()
+    distinct = torch.unique(x, dim=0)  # the draw k-means starts from: 64 of the distinct points
+    start = distinct[torch.randperm(len(distinct), generator=torch.Generator().manual_seed(1))[:64]]
+    start_inertia = torch.cdist(x, start).min(dim=1).values.pow(2).sum()
+    # measured ratio 0.601 (default and AVX2 kernels alike); 0.9 leaves a margin of 0.3, while k-means
+    # that stopped at its starting point would give 1.0
+    assert inertia < 0.9 * start_inertia, float(inertia / start_inertia)
     c2, assign2, _ = kmeans(x, 64, 50, torch.Generator().manual_seed(1), tol=0.0)
     assert torch.equal(c, c2) and torch.equal(assign, assign2)
     c3, _, _ = kmeans(x, 64, 50, torch.Generator().manual_seed(2), tol=0.0)

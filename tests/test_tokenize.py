@@ -13,18 +13,13 @@ import pytest
 import soundfile as sf
 import torch
 
-from musiclm_stab.encodec_weights import load_encodec
-from musiclm_stab.tokenize import (
-    OutputMismatch,
-    TokenizeError,
-    TokenizerMismatch,
-    check_same_tokenizer,
-    cli_main,
-    encode_batch,
-    load_tokenized,
-    segment_bounds,
-    tokenize,
-)
+from musiclm_stab.data.tokenized import TokenizerMismatch, check_same_tokenizer, load_tokenized
+from musiclm_stab.tokenizer.encode import encode_batch
+from musiclm_stab.tokenizer.pipeline import cli_main, tokenize
+from musiclm_stab.tokenizer.segments import segment_bounds
+from musiclm_stab.tokenizer.sources import TokenizeError
+from musiclm_stab.tokenizer.store import OutputMismatch
+from musiclm_stab.tokenizer.weights import load_encodec
 
 SR = 24_000
 
@@ -54,15 +49,15 @@ def test_segments_are_slices_of_the_track_in_order(tokenized_dataset):
 
 
 def test_codes_are_the_encoders_codes_and_not_constant(tokenized_dataset, local_weights):
-    """Stored codes equal EnCodec's codes of the stored pcm, and every level uses > 50 distinct codes."""
+    """Stored codes equal EnCodec's codes of the stored pcm, and every level uses >= 30 distinct codes."""
     ds, _ = load_tokenized(tokenized_dataset)
     model, _ = load_encodec(str(local_weights))
     rows = ds.with_format("torch")
-    full = [r for r in rows if r["num_frames"] == 750]  # encoded as one batch of equal-length segments
+    full = [r for r in rows if r["num_frames"] == 750]  # each track's first segment: a batch of its own
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the tokenizer encodes: float rounding (so ties) depends on threads
     try:
-        codes = encode_batch(model, torch.stack([r["pcm"] for r in full]))  # (3, 8, 750)
+        codes = torch.cat([encode_batch(model, r["pcm"][None]) for r in full])  # (3, 8, 750)
     finally:
         torch.set_num_threads(threads)
     stored = torch.stack([r["codes"] for r in full]).to(torch.int16)
@@ -70,7 +65,25 @@ def test_codes_are_the_encoders_codes_and_not_constant(tokenized_dataset, local_
     assert agree > 0.999, agree  # bit-exact here; a float-level tie may flip a code elsewhere
     for r in full:
         distinct = [len(r["codes"][k].unique()) for k in range(8)]
-        assert min(distinct) > 50, distinct
+        # measured: the least-used level of a 10 s segment uses 65 and 71 codes (this machine), 49 on an
+        # AVX-512 machine (issue 13); 30 leaves a margin of 19 below the lowest seen, and a collapsed level
+        # (one code, or a few) still fails
+        assert min(distinct) >= 30, distinct
+
+
+def test_tokenizer_json_reports_each_codebooks_usage(tokenized_dataset):
+    """tokenizer.json's codebook_usage is, per codebook, the codes used and the perplexity of all the
+    dataset's codes (counted per unit as the rows are written, summed at the end)."""
+    ds, meta = load_tokenized(tokenized_dataset)
+    codes = np.concatenate([np.asarray(c) for c in ds.with_format("numpy")["codes"]], axis=1)  # (8, all frames)
+    expected = []
+    for row in codes:
+        counts = np.bincount(row, minlength=1024)
+        p = counts[counts > 0] / counts.sum()
+        expected.append({"codes_used": int((counts > 0).sum()),
+                         "perplexity": round(float(np.exp(-(p * np.log(p)).sum())), 1)})
+    assert meta["codebook_usage"] == expected
+    assert len(expected) == 8 and all(1 < u["perplexity"] <= u["codes_used"] <= 1024 for u in expected)
 
 
 def test_metadata_records_the_tokenizer(tokenized_dataset, local_weights):
@@ -230,6 +243,9 @@ def test_cli_tokenize_rerun_and_overwrite(tmp_path, local_weights, make_music, c
     assert cli_main(args) == 0
     printed = capsys.readouterr().out
     assert "tokenized 1 tracks into 2 segments" in printed and "x real time" in printed
+    usage = load_tokenized(tmp_path / "out")[1]["codebook_usage"]
+    assert "codebook usage (codes used of 1024 / perplexity) per level: " + "  ".join(
+        f"{u['codes_used']}/{u['perplexity']:.0f}" for u in usage) in printed
     assert cli_main(args) == 0 and "1 of 1 units were already done" in capsys.readouterr().out
     assert cli_main(args + ["--min-seconds", "0.5"]) == 1
     assert "settings.min_samples: 24000 (existing output) != 12000 (this run)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ uninterrupted run; debris of a kill is cleaned up; other weights against a parti
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -17,12 +18,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from musiclm_stab.tokenize import OutputMismatch, load_tokenized, tokenize
+from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.tokenizer.lock import OutputBusy
+from musiclm_stab.tokenizer.pipeline import tokenize
+from musiclm_stab.tokenizer.store import OutputMismatch
 
 SR = 24_000
 # tiny tracks, one per work unit, so that a kill lands between commits
 ARGS = dict(segment_seconds=0.5, min_seconds=0.1, part_tracks=1, progress=False)
 CLI_ARGS = ["--segment-seconds", "0.5", "--min-seconds", "0.1", "--part-tracks", "1", "--no-progress"]
+ARGS_STREAM = dict(segment_seconds=0.5, min_seconds=0.1, progress=False, workers=0)
 
 
 def _rows(path) -> dict[str, list]:
@@ -129,3 +134,158 @@ def test_other_weights_or_settings_against_a_partial_output_are_refused(corpus, 
         tokenize(corpus, out, weights=str(local_weights), workers=0, batch_size=4, **ARGS)
     job = json.loads((out / ".tokenize" / "job.json").read_text())
     assert job["plan"]["num_tracks"] == 9 and len(job["plan"]["units"]) == 9
+
+
+def _wait_for(predicate, proc, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None and not predicate():
+        time.sleep(0.05)
+    assert proc.poll() is None, f"finished or failed too early: {proc.stderr.read().decode()[-2000:]}"
+
+
+def test_a_second_run_on_one_output_fails_fast_and_a_killed_holder_does_not_block(corpus, reference, local_weights,
+                                                                                 tmp_path):
+    """While `musiclm-stab tokenize` writes OUT, tokenize() on OUT raises OutputBusy at once, naming the other
+    process's pid and command; after that process is killed with SIGKILL (its lock dies with it) the same
+    call runs and finishes with the reference rows."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "musiclm_stab.cli", "tokenize", str(corpus), str(out),
+           "--weights", str(local_weights), "--workers", "2", *CLI_ARGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        lock = out / ".tokenize.lock"
+        _wait_for(lambda: lock.is_file() and f'"pid": {proc.pid}' in lock.read_text(), proc)
+        t0 = time.monotonic()
+        with pytest.raises(OutputBusy, match=rf"being written by process {proc.pid} on .*tokenize {corpus}"):
+            tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
+        assert time.monotonic() - t0 < 20  # no waiting for the lock (measured ~0.1 s)
+        assert proc.poll() is None, "the other run finished before the check: no concurrency was tested"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
+    assert (summary.num_rows, summary.num_failures) == (24, 1)
+    _assert_same_rows(_rows(out), _rows(reference))
+
+
+def test_the_lock_dies_with_its_holder_even_while_a_child_of_it_lives(tmp_path):
+    """A process holding output_lock forks a child (as spawning a worker does, until the child execs) and is
+    killed with SIGKILL: the lock is free at once although the child still runs (a BSD flock, shared
+    with the child, kept the rerun out); a second lock of one folder in one process is refused too."""
+    from musiclm_stab.tokenizer.lock import output_lock
+
+    script = ("import os, sys, time\n"
+              "from musiclm_stab.tokenizer.lock import output_lock\n"
+              "with output_lock(sys.argv[1]):\n"
+              "    pid = os.fork()\n"
+              "    if pid == 0:\n"
+              "        time.sleep(120)\n"
+              "        os._exit(0)\n"
+              "    print(pid, flush=True)\n"
+              "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "out")], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert psutil.pid_exists(child)
+        with output_lock(tmp_path / "out"):  # the old lock: OutputBusy until the child exits
+            with pytest.raises(OutputBusy, match=f"process {os.getpid()} "):
+                with output_lock(tmp_path / "out"):
+                    pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_run_killed_before_it_wrote_its_job_is_started_afresh(corpus, reference, local_weights, tmp_path):
+    """What a run killed between taking the lock and writing .tokenize/job.json leaves (the lock file,
+    .tokenize/units/ and an empty parts/, as the old order of making them left) is not taken for a foreign
+    folder: the same call starts afresh and ends with the reference rows."""
+    out = tmp_path / "out"
+    (out / ".tokenize" / "units").mkdir(parents=True)
+    (out / "parts").mkdir()
+    (out / ".tokenize.lock").write_text("")
+    summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
+    assert (summary.num_rows, summary.num_failures) == (24, 1)
+    _assert_same_rows(_rows(out), _rows(reference))
+
+
+def test_a_unit_that_raises_in_a_worker_loses_no_finished_unit(corpus, reference, local_weights, tmp_path):
+    """Unit 0's part file cannot be put in place (a folder holds its name), so unit 0 raises in its worker
+    process: the error reaches the caller, every unit that finished meanwhile is committed (each part file
+    written has its record), and once the folder is gone a rerun encodes only the units not committed."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)  # a started output (job.json) with nothing done yet
+    (out / "tokenizer.json").unlink()
+    for p in [*(out / ".tokenize" / "units").iterdir(), *(out / "parts").iterdir()]:
+        p.unlink()
+    (out / "parts" / "u000000.arrow").mkdir()
+    (out / "parts" / "u000000.arrow" / "in_the_way").write_text("x")
+    with pytest.raises(OSError, match="u000000.arrow"):
+        tokenize(corpus, out, weights=str(local_weights), workers=2, **ARGS)
+    records = {p.stem for p in (out / ".tokenize" / "units").glob("u*.json")}
+    written = {p.stem for p in (out / "parts").glob("u*.arrow") if p.is_file()}
+    assert written and written <= records  # old code: the units finishing after the error had no record
+    assert "u000000" not in records
+    shutil.rmtree(out / "parts" / "u000000.arrow")
+    summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
+    assert summary.units_done_before == len(records) and summary.num_units == 9
+    _assert_same_rows(_rows(out), _rows(reference))
+
+
+def test_a_resumed_stream_starts_at_its_last_finished_unit(tmp_path, local_weights, make_music, monkeypatch):
+    """A streamed job (5 parquet files, one 2-row unit each) stopped after 4 units: the rerun decodes only the
+    unfinished unit's 2 rows, does not read the first two files (it resumes the stream where its last
+    finished unit began, checked against that unit's audio fingerprint, and skips it) and ends with the
+    rows of the uninterrupted run (file 0 is opened once, for the stream's schema). A saved position whose fingerprint does not match falls back to
+    reading the stream from the start, with a warning, and the same rows."""
+    import datasets
+
+    import musiclm_stab.tokenizer.sources as sources_mod
+
+    rows = []
+    for i in range(10):
+        buf = io.BytesIO()
+        sf.write(buf, make_music(0.6, seed=500 + i, sr=22_050), 22_050, format="FLAC")
+        rows.append({"bytes": buf.getvalue(), "path": None})
+    ds = datasets.Dataset.from_dict({"audio": rows}).cast_column("audio", datasets.Audio())
+    (tmp_path / "stream" / "data").mkdir(parents=True)
+    files = [tmp_path / "stream" / "data" / f"train-{k:05d}-of-00005.parquet" for k in range(5)]
+    for k, f in enumerate(files):
+        ds.shard(5, k, contiguous=True).to_parquet(str(f))
+    kw = dict(weights=str(local_weights), streaming=True, part_tracks=2, **ARGS_STREAM)
+    reference = tmp_path / "reference"
+    tokenize(tmp_path / "stream", reference, **kw)
+
+    opened: list[str] = []
+    sys.addaudithook(lambda event, args: opened.append(str(args[0]))
+                     if event == "open" and str(args[0]).endswith(".parquet") else None)
+    datasets.load_dataset(str(tmp_path / "stream"), split="train", streaming=True)
+    at_load = list(opened)  # opening a stream reads the first file's schema: nothing to do with resuming
+    decoded: list[str] = []
+    real_open_audio = sources_mod.open_audio
+    monkeypatch.setattr(sources_mod, "open_audio",
+                        lambda src, name=None: decoded.append(name) or real_open_audio(src, name))
+
+    for case in ("resume", "fallback"):
+        out = tmp_path / case
+        shutil.copytree(reference, out)
+        (out / "tokenizer.json").unlink()
+        (out / ".tokenize" / "units" / "u000004.json").unlink()  # the run stopped before unit 4
+        if case == "fallback":
+            path = out / ".tokenize" / "units" / "u000003.json"
+            record = json.loads(path.read_text())
+            path.write_text(json.dumps({**record, "stream": {**record["stream"], "sha256": "0" * 64}}))
+        opened.clear()
+        decoded.clear()
+        if case == "resume":
+            summary = tokenize(tmp_path / "stream", out, **kw)
+            assert at_load == [str(files[0])] and opened.count(str(files[0])) == 1, opened
+            assert str(files[1]) not in opened, opened  # old code: every file was read again
+        else:
+            with pytest.warns(RuntimeWarning, match="resuming the stream .* at unit 3 failed .*from the start"):
+                summary = tokenize(tmp_path / "stream", out, **kw)
+        assert decoded == [f"{tmp_path / 'stream'}[8]", f"{tmp_path / 'stream'}[9]"]
+        assert (summary.units_done_before, summary.num_tracks, summary.num_rows) == (4, 10, 20)
+        _assert_same_rows(_rows(out), _rows(reference))

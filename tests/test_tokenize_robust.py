@@ -15,9 +15,10 @@ import soundfile as sf
 import torch
 
 import musiclm_stab.audio as audio_mod
-import musiclm_stab.tokenize_units as units_mod
+import musiclm_stab.tokenizer.units as units_mod
 from musiclm_stab.audio import AudioError, open_audio, scan
-from musiclm_stab.tokenize import load_tokenized, tokenize
+from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.tokenizer.pipeline import tokenize
 
 SR = 24_000
 
@@ -212,3 +213,56 @@ def test_scan_measures_peak_and_length(tmp_path, make_music):
     assert stats.peak == pytest.approx(np.abs(x.mean(axis=1)).max(), abs=1e-5)
     assert stats.peak_dbfs == pytest.approx(20 * np.log10(stats.peak))
     assert torch.isfinite(torch.tensor(stats.peak_dbfs))
+
+
+def test_silent_segments_are_counted_only_for_tracks_that_are_used(tmp_path, local_weights, make_music,
+                                                                   monkeypatch):
+    """num_silent_segments counts the silent segments left out of tracks that were tokenized: not those of
+    a track whose only sound lies in its dropped tail (every kept segment silent: a failure), nor of a
+    track that breaks in the second pass after a silent segment (a failure)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "a_gap.wav", np.concatenate([make_music(1.0, seed=16), np.zeros(SR, np.float32),
+                                                make_music(1.0, seed=17)]), SR)  # 1 silent segment of 3
+    tail = np.zeros(2 * SR + 7200, np.float32)
+    tail[-7200:] = make_music(0.3, seed=18)  # a 0.3 s tail < min_seconds: dropped
+    sf.write(src / "b_loud_tail.wav", tail, SR)  # peak above the threshold, both kept segments silent
+    sf.write(src / "c_breaks.wav", np.concatenate([np.zeros(SR, np.float32), make_music(2.0, seed=19)]), SR)
+    real = units_mod.resampled_blocks
+
+    def breaking(reader, block_frames=None):
+        for i, block in enumerate(real(reader, SR // 2)):
+            if reader.name.endswith("c_breaks.wav") and i == 3:  # after its silent first segment
+                raise AudioError(reader.name, "disk went away", "unreadable")
+            yield block
+
+    monkeypatch.setattr(units_mod, "resampled_blocks", breaking)
+    s = tokenize(src, tmp_path / "out", weights=str(local_weights), segment_seconds=1.0, min_seconds=0.5,
+                 workers=0, progress=False)
+    assert s.failures_by_kind == {"silent": 1, "unreadable": 1}
+    assert _failures(tmp_path / "out")["b_loud_tail.wav"]["reason"] == \
+        "silent: every segment's peak is below -60 dBFS"
+    assert (s.num_rows, s.num_silent_segments) == (2, 1)  # old code: 4 (2 of b_loud_tail, 1 of c_breaks)
+    assert json.loads((tmp_path / "out" / "tokenizer.json").read_text())["num_silent_segments"] == 1
+
+
+def test_warnings_about_used_inputs_are_recorded(tmp_path, local_weights, make_music):
+    """What the reader finds odd but usable about a track that is tokenized (here a float WAV at 3x full
+    scale, scaled down: over_full_scale) goes to warnings.jsonl with track, path, kind and reason, once,
+    and is counted by kind in tokenizer.json and in the summary; a failed track adds no warning."""
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(1.0, seed=20), SR)
+    sf.write(src / "b_loud.wav", 6 * make_music(1.0, seed=21), SR, subtype="FLOAT")  # peak 3.0
+    sf.write(src / "c_loud_nan.wav", np.r_[6 * make_music(1.0, seed=22), np.nan].astype(np.float32), SR,
+             subtype="FLOAT")
+    s = tokenize(src, tmp_path / "out", weights=str(local_weights), segment_seconds=0.5, min_seconds=0.1, workers=0,
+                 progress=False)
+    assert (s.num_warnings, s.num_failures, s.num_tracks) == (1, 1, 2)
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "warnings.jsonl").read_text().splitlines()]
+    assert {k: row[k] for k in ("track", "path", "kind")} == \
+        {"track": "b_loud.wav", "path": str(src / "b_loud.wav"), "kind": "over_full_scale"}
+    assert row["reason"].startswith("peak 3 (+9.5 dBFS) is above 2")
+    meta = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
+    assert (meta["num_warnings"], meta["warnings_by_kind"]) == (1, {"over_full_scale": 1})
+    assert "1 warnings" in str(s)

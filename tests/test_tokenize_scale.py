@@ -16,16 +16,12 @@ import torchaudio.functional as AF
 
 import musiclm_stab.audio as audio_mod
 from musiclm_stab.audio import AudioError, StreamResampler, array_reader, open_audio, resampled_blocks
-from musiclm_stab.encodec_weights import load_encodec, one_thread
-from musiclm_stab.tokenize import (
-    OutputMismatch,
-    cli_main,
-    cut_segments,
-    load_tokenized,
-    merge_shards,
-    segment_bounds,
-    tokenize,
-)
+from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.tokenizer.merge import merge_shards
+from musiclm_stab.tokenizer.pipeline import cli_main, tokenize
+from musiclm_stab.tokenizer.segments import cut_segments, segment_bounds
+from musiclm_stab.tokenizer.store import OutputDir, OutputMismatch
+from musiclm_stab.tokenizer.weights import load_encodec, one_thread
 
 SR = 24_000
 KW = dict(segment_seconds=0.5, min_seconds=0.1, workers=0, progress=False)
@@ -189,6 +185,7 @@ def test_shards_merge_into_the_single_run_output(tmp_path, local_weights, make_m
     _same(single, datasets.load_from_disk(str(tmp_path / "merged")))
     assert (tmp_path / "merged" / "failures.jsonl").read_text() == (tmp_path / "single" / "failures.jsonl").read_text()
     assert merged_info["job_sha256"] == info["job_sha256"]
+    assert merged_info["codebook_usage"] == info["codebook_usage"] is not None  # counted per unit, summed
     assert tokenize(src, tmp_path / "merged", **kw).seconds_this_run == 0.0  # it is the single run's output
     with pytest.raises(ValueError, match="each of the shards 0/3 .. 2/3 once"):
         merge_shards(tmp_path / "m2", [tmp_path / "shard0", tmp_path / "shard1"])
@@ -251,3 +248,52 @@ def test_review_cases_manifests_rows_and_the_output_guard(tmp_path, local_weight
     (tmp_path / "out_killed" / ".tokenize" / "units").mkdir(parents=True)  # killed before job.json
     tokenize(tmp_path / "bom.csv", tmp_path / "out_killed", weights=str(local_weights), **KW)
     assert load_tokenized(tmp_path / "out_killed")[0]["track"] == ["x.wav"]
+
+
+def test_a_killed_merge_is_finished_by_running_it_again(tmp_path, local_weights, make_music, monkeypatch, capsys):
+    """A merge that dies after copying two units, and one that dies before writing tokenizer.json, are both
+    finished by running the same `--merge` again, with the single run's rows; a finished merge run again
+    changes nothing; a folder holding another tokenization's unit is refused and left as it was."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        sf.write(src / f"t{i}.wav", make_music(0.7, seed=90 + i), SR)
+    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
+    tokenize(src, tmp_path / "single", **kw)
+    shards = [tmp_path / f"shard{i}" for i in range(2)]
+    for i, out in enumerate(shards):
+        tokenize(src, out, shard=f"{i}/2", **kw)
+    single, _ = load_tokenized(tmp_path / "single")
+    merge_cmd = ["--merge", str(tmp_path / "merged"), *map(str, shards)]
+
+    real_commit, calls = OutputDir.commit, []
+
+    def dies_at_the_third(self, record):
+        calls.append(record["unit"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as if killed: nothing after this point runs
+        real_commit(self, record)
+
+    monkeypatch.setattr(OutputDir, "commit", dies_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(merge_cmd)
+    monkeypatch.setattr(OutputDir, "commit", real_commit)
+    assert len(list((tmp_path / "merged" / ".tokenize" / "units").iterdir())) == 2
+    assert not (tmp_path / "merged" / "tokenizer.json").exists()
+    assert cli_main(merge_cmd) == 0, capsys.readouterr().err  # old code: "already holds units"
+    _same(single, load_tokenized(tmp_path / "merged")[0])
+
+    (tmp_path / "merged" / "tokenizer.json").unlink()  # killed while finishing
+    assert cli_main(merge_cmd) == 0, capsys.readouterr().err
+    _same(single, load_tokenized(tmp_path / "merged")[0])
+    before = (tmp_path / "merged" / "tokenizer.json").read_text()
+    assert cli_main(merge_cmd) == 0 and (tmp_path / "merged" / "tokenizer.json").read_text() == before
+
+    other = tmp_path / "other"  # a run of the same job whose unit 0 holds other rows
+    tokenize(src, other, **kw)
+    record = json.loads((other / ".tokenize" / "units" / "u000000.json").read_text())
+    (other / ".tokenize" / "units" / "u000000.json").write_text(json.dumps({**record, "num_rows": 99}))
+    (other / "tokenizer.json").unlink()
+    assert cli_main(["--merge", str(other), *map(str, shards)]) == 1
+    assert "already holds unit 0" in capsys.readouterr().err
+    assert not (other / "tokenizer.json").exists()

@@ -23,7 +23,7 @@ from datasets.arrow_writer import ArrowWriter
 
 from musiclm_stab.data import StreamingCrops, eval_tracks, example_key
 from musiclm_stab.data import streaming as streaming_module
-from musiclm_stab.tokenize_store import FEATURES
+from musiclm_stab.data.tokenized import FEATURES
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore/posix_fadvise: Linux")
 MiB = 2**20

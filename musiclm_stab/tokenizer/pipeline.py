@@ -7,23 +7,30 @@ encoded with EnCodec at 6 kbps into ``codes`` [8, T] with T = samples / 320. One
     id (str "{track}@{start_sample}"), track (str), start (float s), pcm (float32 [S]),
     codes (int16 [8, T]), num_frames (int T)
 
-``tokenizer.json`` in the output folder identifies the tokenizer (weights sha256, bandwidth, rates);
-``check_same_tokenizer`` refuses to mix data made with different ones.
+``tokenizer.json`` in the output folder identifies the tokenizer (weights sha256, bandwidth, rates) and
+records the device type it ran on; ``check_same_tokenizer`` refuses to mix data made with different
+tokenizers, and data made on different device types (same tokenizer, codes not bit-identical) is
+merged or loaded together with a DeviceMixWarning. TF32 is off wherever the encoder runs.
 
 A real corpus as it comes:
 - bad inputs (missing, unreadable, empty, not audio, corrupt, truncated, NaN, silent, too short) never
   stop the run: each goes to ``failures.jsonl`` with its path, ``kind`` and reason, and is counted;
-  silence (``silence``, ``silence_db``) and short clips (``min_seconds``) follow an explicit policy;
-  failures are retried only when asked (``retry_failures``);
+  odd but usable ones (a length mismatch, float audio above full scale) are kept and reported in
+  ``warnings.jsonl``; silence (``silence``, ``silence_db``) and short clips (``min_seconds``) follow an
+  explicit policy; failures are retried only when asked (``retry_failures``);
 - the work is cut into units of consecutive tracks, each committed atomically as it finishes: a run
   killed at any point (kill -9 included) and started again with the same command finishes the job with
-  the rows an uninterrupted run would have written; other weights or settings are refused;
+  the rows an uninterrupted run would have written; other weights or settings are refused; one run at
+  a time writes an output (an OS lock; a second run fails at once);
 - tracks are read and resampled in blocks and encoded segment by segment, so memory does not grow
-  with track length; units run in worker processes (``workers``); ``shard="i/n"`` takes every n-th
-  unit, and ``merge_shards`` / ``load_tokenized([...])`` put the shards back together.
+  with track length; a long lossless track is cut into pieces (units of its segments) so that all
+  workers share it; units run in worker processes (``workers``); ``shard="i/n"`` takes every n-th
+  unit (every n-th track for pieces), and ``merge_shards`` / ``load_tokenized([...])`` put the shards
+  back together. A resumed streaming run starts reading at its last finished unit.
 
-Modules: tokenize_sources (inputs, units), tokenize_units (one unit: decode, segment, encode, write),
-tokenize_store (the output folder: resume state, finalizing, loading, merging).
+The job and its command line (``musiclm-stab tokenize``); the parts are in the package's other modules
+(see musiclm_stab/tokenizer/__init__.py). ``tokenizer.json`` also records each codebook's usage over
+the dataset (codes used, perplexity), printed in the summary.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,38 +50,30 @@ import torch
 from tqdm.auto import tqdm
 
 from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
-from musiclm_stab.encodec_weights import WeightsUnavailable, load_encodec, one_thread, prepare_for_inference
-from musiclm_stab.tokenize_sources import (
-    TokenizeError,
-    list_tracks,
-    names_sha256,
-    plan_units,
-    source_spec,
-    stream_units,
-)
-from musiclm_stab.tokenize_store import (  # noqa: F401  (re-exported: the tokenizer's public API)
+from musiclm_stab.data.tokenized import (
     FAILURES_FILE,
-    FEATURES,
     IDENTITY_KEYS,
     METADATA_FILE,
+    STATE_DIR,
+    WARNINGS_FILE,
+    job_units,
+)
+from musiclm_stab.tokenizer.encode import full_fp32
+from musiclm_stab.tokenizer.lock import OutputBusy, output_lock
+from musiclm_stab.tokenizer.merge import merge_shards
+from musiclm_stab.tokenizer.plan import PIECE_SECONDS, names_sha256, plan_units, split_long_tracks
+from musiclm_stab.tokenizer.policy import SILENCE_POLICIES, UnitSettings
+from musiclm_stab.tokenizer.segments import Piece
+from musiclm_stab.tokenizer.sources import TokenizeError, list_tracks, source_spec, stream_units
+from musiclm_stab.tokenizer.store import (
     STATE_VERSION,
     OutputDir,
     OutputMismatch,
-    TokenizerMismatch,
-    check_same_tokenizer,
+    check_output_folder,
     job_sha256,
-    job_units,
-    load_tokenized,
-    merge_shards,
 )
-from musiclm_stab.tokenize_units import (  # noqa: F401
-    SILENCE_POLICIES,
-    UnitSettings,
-    cut_segments,
-    encode_batch,
-    run_units,
-    segment_bounds,
-)
+from musiclm_stab.tokenizer.weights import WeightsUnavailable, load_encodec, one_thread, prepare_for_inference
+from musiclm_stab.tokenizer.workers import run_units
 
 
 @dataclass
@@ -89,6 +89,9 @@ class TokenizeSummary:
     seconds_this_run: float = 0.0  # audio tokenized by this call (less than total_seconds after a resume)
     units_done_before: int = 0  # work units found committed by an earlier run
     num_units: int = 0
+    num_warnings: int = 0  # inputs tokenized with a warning (warnings.jsonl)
+    # per codebook: codes used (of 1024) and perplexity over the dataset's rows (None: an older output)
+    codebook_usage: list[dict[str, float]] | None = None
 
     @property
     def realtime_factor(self) -> float:
@@ -103,8 +106,10 @@ class TokenizeSummary:
             f"tokenized {self.num_tracks} tracks into {self.num_rows} segments "
             f"({self.total_seconds / 3600:.3f} h of audio); this run: {self.seconds_this_run:.1f} s of audio in "
             f"{self.seconds_taken:.1f} s ({self.realtime_factor:.1f}x real time){resumed}; "
-            f"{self.num_failures} failed{f' ({kinds})' if kinds else ''} -> {self.out_dir}"
-        )
+            f"{self.num_failures} failed{f' ({kinds})' if kinds else ''}"
+            f"{f', {self.num_warnings} warnings' if self.num_warnings else ''} -> {self.out_dir}"
+        ) + (("\n  codebook usage (codes used of 1024 / perplexity) per level: " + "  ".join(
+            f"{u['codes_used']}/{u['perplexity']:.0f}" for u in self.codebook_usage)) if self.codebook_usage else "")
 
 
 def _default_note(info: dict[str, Any]) -> str | None:
@@ -172,6 +177,7 @@ def tokenize(
     streaming: bool = False,
     part_mb: float | None = None,
     part_tracks: int = 64,
+    piece_seconds: float | None = PIECE_SECONDS,
 ) -> TokenizeSummary:
     """Tokenize a folder of audio (recursive), a manifest, or an HF dataset into ``out_dir``.
 
@@ -179,14 +185,18 @@ def tokenize(
     path uses local weights (see ``musiclm-stab make-weights``). ``weights_note`` is free text stored
     in tokenizer.json (a note is derived for locally made weights when none is given).
     An unfinished ``out_dir`` of the same job is resumed, a finished one returned as it is; one made
-    with other weights or settings raises OutputMismatch (``overwrite=True`` starts over).
+    with other weights or settings raises OutputMismatch (``overwrite=True`` starts over). The
+    folder is locked while a run writes it: a second run on it raises OutputBusy.
     ``silence``: "skip" (tracks, and segments, whose peak is below ``silence_db`` dBFS are left out,
     tracks reported as failures of kind "silent") or "keep". ``workers``: encoder processes (0: this
     process; None: on CPU one per core, at most one per unit to do; on GPU 0); workers are spawned
     processes, so a script calling this must do it under ``if __name__ == "__main__":``.
     ``part_mb`` and ``part_tracks`` size the work units (source MB / tracks per unit); ``part_mb=None``
     sizes them from the source: 1/64 of its bytes, within 4-64 MB, so that small corpora still
-    split into enough units to keep every worker busy.
+    split into enough units to keep every worker busy. A lossless file longer than two
+    ``piece_seconds`` is cut into units of that much audio, so that one long track uses every
+    worker (None or 0: never split). The unit plan of the first run stays in force.
+    ``device`` is recorded in tokenizer.json; TF32 is off wherever the encoder runs.
     """
     t0 = time.perf_counter()
     segment_samples = int(round(segment_seconds * SAMPLE_RATE)) // HOP_LENGTH * HOP_LENGTH
@@ -206,98 +216,147 @@ def tokenize(
     refs = None if streaming else list_tracks(spec)
     if refs is not None and not refs:
         raise TokenizeError(f"no audio found in {src}")
+    check_output_folder(out_dir)  # before loading anything: a folder that is not ours is refused at once
 
     model, info = _encoder(weights)
-    settings = UnitSettings(segment_samples, min_samples, silence, float(silence_db), batch_size)
-    if part_mb is not None:
-        part_bytes: int | str = int(part_mb * 2**20)
-        unit_bytes = part_bytes
-    else:  # "auto": the first run's units are kept in job.json, so a later change of sizes changes nothing
-        part_bytes = "auto"
-        unit_bytes = min(64 * 2**20, max(4 * 2**20, sum(r.size for r in refs or []) // 64))
-    plan = ({"streaming": True} if refs is None else
-            {"num_tracks": len(refs), "names_sha256": names_sha256(refs),
-             "units": [list(u) for u in plan_units(refs, unit_bytes, part_tracks)]})
-    job = {
-        "format": STATE_VERSION,
-        "tokenizer": {k: info[k] for k in IDENTITY_KEYS},
-        "settings": {"segment_samples": segment_samples, "min_samples": min_samples, "silence": silence,
-                     "silence_db": float(silence_db), "part_bytes": part_bytes, "part_tracks": part_tracks},
-        # float results, and so a few codes at near-ties, depend on the batch and the device: a resumed
-        # run must encode like the first one (one thread per encoder on CPU, whatever --workers says)
-        "encode": {"batch_size": batch_size, "device": torch.device(device).type},
-        "source": spec.describe(),
-        "plan": plan,
-        "shard": [shard_i, shard_n],
-    }
-    out = OutputDir.prepare(out_dir, job, overwrite)
-    job = out.job()  # an earlier run's unit plan stays in force (file sizes may have changed since)
-    if retry_failures:
-        out.reopen_failed()
-    meta = {
-        **info,
-        "segment_seconds": segment_samples / SAMPLE_RATE,
-        "segment_samples": segment_samples,
-        "min_seconds": min_seconds,
-        "silence": silence,
-        "silence_db": float(silence_db),
-        "weights_note": weights_note if weights_note is not None else _default_note(info),
-        "source": spec.path,
-        "source_kind": spec.kind,
-        "shard": f"{shard_i}/{shard_n}" if shard_n > 1 else None,
-        "job_sha256": job_sha256(job),
-    }
-    done_before = out.done_units()
-    if out.is_complete():
-        return _summary(out, job, t0, 0.0, len(done_before))
-    todo_units = job_units(job)
+    with output_lock(out_dir):
+        if part_mb is not None:
+            part_bytes: int | str = int(part_mb * 2**20)
+            unit_bytes = part_bytes
+        else:  # "auto": the first run's units are kept in job.json, so a later change of sizes changes nothing
+            part_bytes = "auto"
+            unit_bytes = min(64 * 2**20, max(4 * 2**20, sum(r.size for r in refs or []) // 64))
+        # a resumed job keeps the plan (units, batching) of its first run: no need to look at the files again
+        earlier = _earlier_plan(out_dir, overwrite)
+        if refs is None:
+            plan: dict[str, Any] = {"streaming": True, "batching": "track"}
+            if earlier is not None and earlier.get("streaming"):
+                plan = earlier
+        else:
+            plan = {"num_tracks": len(refs), "names_sha256": names_sha256(refs)}
+            if earlier is not None and earlier.get("names_sha256") == plan["names_sha256"] and "units" in earlier:
+                plan = earlier
+            else:
+                plan["units"] = split_long_tracks(refs, plan_units(refs, unit_bytes, part_tracks), segment_samples,
+                                                  piece_seconds, batch_size)
+                plan["batching"] = "track"
+        job = {
+            "format": STATE_VERSION,
+            "tokenizer": {k: info[k] for k in IDENTITY_KEYS},
+            "settings": {"segment_samples": segment_samples, "min_samples": min_samples, "silence": silence,
+                         "silence_db": float(silence_db), "part_bytes": part_bytes, "part_tracks": part_tracks},
+            # float results, and so a few codes at near-ties, depend on the batch and the device: a resumed
+            # run must encode like the first one (one thread per encoder on CPU, whatever --workers says)
+            "encode": {"batch_size": batch_size, "device": torch.device(device).type},
+            "source": spec.describe(),
+            "plan": plan,
+            "shard": [shard_i, shard_n],
+        }
+        out = OutputDir.prepare(out_dir, job, overwrite)
+        job = out.job()  # an earlier run's unit plan stays in force (file sizes may have changed since)
+        # outputs started before per-track batching keep batching across the tracks of a unit
+        settings = UnitSettings(segment_samples, min_samples, silence, float(silence_db), batch_size,
+                                job["plan"].get("batching", "unit"))
+        if retry_failures:
+            out.reopen_failed()
+        meta = {
+            **info,
+            "segment_seconds": segment_samples / SAMPLE_RATE,
+            "segment_samples": segment_samples,
+            "min_seconds": min_seconds,
+            "silence": silence,
+            "silence_db": float(silence_db),
+            "weights_note": weights_note if weights_note is not None else _default_note(info),
+            "source": spec.path,
+            "source_kind": spec.kind,
+            "shard": f"{shard_i}/{shard_n}" if shard_n > 1 else None,
+            "job_sha256": job_sha256(job),
+            "device": job["encode"]["device"],
+        }
+        done_before = out.done_units()
+        if out.is_complete():
+            return _summary(out, job, t0, 0.0, len(done_before))
+        todo_units = job_units(job)
 
-    audio_done, failed = [0], [0]
-    bar = tqdm(desc="tokenizing", unit="unit", disable=not progress,
-               total=None if todo_units is None else len(set(todo_units) - done_before))
+        audio_done, failed = [0], [0]
+        stream_resume: dict[int, dict] = {}  # streaming: where each unit handed out starts in the stream
+        bar = tqdm(desc="tokenizing", unit="unit", disable=not progress,
+                   total=None if todo_units is None else len(set(todo_units) - done_before))
 
-    def on_done(record: dict) -> None:
-        out.commit(record)
-        audio_done[0] += record["num_samples"]
-        failed[0] += len(record["failures"])
-        bar.update(1)
-        bar.set_postfix(failed=failed[0], audio_h=f"{audio_done[0] / SAMPLE_RATE / 3600:.2f}")
+        def on_done(record: dict) -> None:
+            if record["unit"] in stream_resume:
+                record["stream"] = stream_resume.pop(record["unit"])
+            out.commit(record)
+            audio_done[0] += record["num_samples"]
+            failed[0] += len(record["failures"]) + bool(record.get("piece", {}).get("failure"))
+            bar.update(1)
+            bar.set_postfix(failed=failed[0], audio_h=f"{audio_done[0] / SAMPLE_RATE / 3600:.2f}")
 
-    if refs is not None:
-        work = [(k, refs[job["plan"]["units"][k][0] : sum(job["plan"]["units"][k])])
-                for k in todo_units if k not in done_before]
-    else:
-        work = _stream_work(spec, job, out, done_before, shard_i, shard_n)
-    if workers is None:  # on CPU, worker processes even for one unit: they run faster (see keep_freed_memory)
-        workers = 0 if device != "cpu" or (refs is not None and not work) else (os.cpu_count() or 1)
-    if refs is not None:
-        workers = min(workers, len(work))
-    if workers > 0:  # each worker loads its own: this process keeps none
-        del model
-        model = None
-        _ENCODER_CACHE.clear()
-    else:
-        model.to(torch.device(device))
-    with one_thread():  # the same float arithmetic in this process as in a worker
-        run_units(work, spec, settings, str(out.out), on_done, model, workers,
-                  weights=None if weights is None else str(weights), device=device, sha256=info["weights_sha256"])
-    bar.close()
-    job = out.job()
-    out.finalize(job_units(job), meta)
-    return _summary(out, job, t0, audio_done[0] / SAMPLE_RATE, len(done_before))
+        if refs is not None:
+            units = job["plan"]["units"]
+            work: Any = [(k, refs[units[k][0] : units[k][0] + units[k][1]],
+                          Piece(units[k][2], units[k][3]) if len(units[k]) > 2 else None)
+                         for k in todo_units if k not in done_before]
+        else:
+            work = _stream_work(spec, job, out, done_before, shard_i, shard_n, stream_resume)
+        if workers is None:  # on CPU, worker processes even for one unit: they run faster (see keep_freed_memory)
+            workers = 0 if device != "cpu" or (refs is not None and not work) else (os.cpu_count() or 1)
+        if refs is not None:
+            workers = min(workers, len(work))
+        if workers > 0:  # each worker loads its own: this process keeps none
+            del model
+            model = None
+            _ENCODER_CACHE.clear()
+        else:
+            model.to(torch.device(device))
+        with one_thread(), full_fp32():  # the same float arithmetic in this process as in a worker
+            run_units(work, spec, settings, str(out.out), on_done, model, workers,
+                      weights=None if weights is None else str(weights), device=device, sha256=info["weights_sha256"])
+        bar.close()
+        job = out.job()
+        out.finalize(job_units(job), meta)
+        return _summary(out, job, t0, audio_done[0] / SAMPLE_RATE, len(done_before))
 
 
-def _stream_work(spec, job: dict, out: OutputDir, done: set[int], shard_i: int, shard_n: int):
-    """Units of a streaming source that this run must do; records the stream's length at its end."""
-    last, tracks = -1, 0
-    for k, unit in stream_units(spec, job["settings"]["part_tracks"],
-                                wanted=lambda k: k % shard_n == shard_i and k not in done):
-        last, tracks = k, tracks + len(unit)
-        if k % shard_n == shard_i and k not in done:
-            yield k, unit
+def _earlier_plan(out_dir: str | Path, overwrite: bool) -> dict | None:
+    """The unit plan of an earlier run on this output, if it has one (and is not to be overwritten)."""
+    path = Path(out_dir) / STATE_DIR / "job.json"
+    if overwrite or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["plan"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: OutputDir.prepare reports it
+
+
+def _stream_work(spec, job: dict, out: OutputDir, done: set[int], shard_i: int, shard_n: int,
+                 resume: dict[int, dict]) -> Iterator[tuple[int, list]]:
+    """Units of a streaming source that this run must do; records the stream's length at its end.
+
+    A resumed run starts reading at its last finished unit before the first unfinished one (see
+    ``stream_units``); ``resume`` receives, for each unit handed out, where it starts in the stream.
+    """
+    def own(k: int) -> bool:
+        return k % shard_n == shard_i
+
+    first_todo = shard_i
+    while first_todo in done:
+        first_todo += shard_n
+    start = None
+    if first_todo - shard_n >= 0:
+        record = out.record(first_todo - shard_n)
+        if record and record.get("stream"):
+            start = {"unit": first_todo - shard_n, **record["stream"]}
+    last, rows = -1, 0
+    for u in stream_units(spec, job["settings"]["part_tracks"], wanted=lambda k: own(k) and k not in done,
+                          start=start):
+        last, rows = u.k, u.rows_before + u.num_rows
+        if u.refs is not None:
+            resume[u.k] = u.resume
+            yield u.k, u.refs
     if last < 0:
         raise TokenizeError(f"the stream {spec.path} (split {spec.split}) has no rows")
-    end = {"num_units": last + 1, "num_tracks": tracks}
+    end = {"num_units": last + 1, "num_tracks": rows}
     if job.get("stream_end") not in (None, end):
         raise OutputMismatch(f"the stream {spec.path} has changed since this output was started: "
                              f"{job['stream_end']} then, {end} now")
@@ -312,7 +371,8 @@ def _summary(out: OutputDir, job: dict, t0: float, seconds_this_run: float, done
         total_seconds=meta["total_seconds"], num_failures=meta["num_failures"],
         seconds_taken=time.perf_counter() - t0, failures_by_kind=meta.get("failures_by_kind", {}),
         num_silent_segments=meta.get("num_silent_segments", 0), seconds_this_run=seconds_this_run,
-        units_done_before=done_before, num_units=len(units),
+        units_done_before=done_before, num_units=len(units), num_warnings=meta.get("num_warnings", 0),
+        codebook_usage=meta.get("codebook_usage"),
     )
 
 
@@ -350,6 +410,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mb", type=float, default=None,
                    help="source MB per work unit (default: 1/64 of the source, within 4-64 MB)")
     p.add_argument("--part-tracks", type=int, default=64, help="most tracks per work unit (default 64)")
+    p.add_argument("--piece-seconds", type=float, default=PIECE_SECONDS,
+                   help="cut lossless files longer than twice this into work units of this much audio, so that "
+                   f"one long track uses every worker (default {PIECE_SECONDS:g}; 0: never)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing tokenized dataset at OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -362,14 +425,16 @@ def cli_main(argv: list[str] | None = None) -> int:
                            overwrite=args.overwrite, progress=not args.no_progress, silence=args.silence,
                            silence_db=args.silence_db, workers=args.workers, shard=args.shard,
                            retry_failures=args.retry_failures, streaming=args.streaming, part_mb=args.part_mb,
-                           part_tracks=args.part_tracks)
-    except (WeightsUnavailable, TokenizeError, FileExistsError, FileNotFoundError, ValueError) as e:
+                           part_tracks=args.part_tracks, piece_seconds=args.piece_seconds)
+    except (WeightsUnavailable, TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"musiclm-stab tokenize: {e}", file=sys.stderr)
         return 1
     print(summary)
     if summary.num_failures:
         print(f"  {summary.num_failures} inputs could not be used; reasons in {Path(args.out) / FAILURES_FILE}"
               + ("" if args.retry_failures else " (rerun with --retry-failures to try them again)"))
+    if summary.num_warnings:
+        print(f"  {summary.num_warnings} warnings about inputs that were tokenized: {Path(args.out) / WARNINGS_FILE}")
     print(f"  summary: {json.dumps(asdict(summary))}")
     return 0
 
@@ -382,7 +447,7 @@ def _merge_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         meta = merge_shards(args.out, args.shards)
-    except (TokenizeError, FileExistsError, FileNotFoundError, ValueError) as e:
+    except (TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"musiclm-stab tokenize --merge: {e}", file=sys.stderr)
         return 1
     print(f"merged {len(args.shards)} shards into {args.out}: {meta['num_rows']} segments of {meta['num_tracks']} "

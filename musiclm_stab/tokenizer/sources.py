@@ -1,4 +1,4 @@
-"""Where the tokenizer's tracks come from, in a fixed order, and how they are grouped into work units.
+"""Where the tokenizer's tracks come from, in a fixed order (the unit plan is in plan.py).
 
 Sources (``Source.open`` picks one from the path):
 - a folder of audio files, searched recursively; tracks named by their path relative to the folder;
@@ -9,9 +9,11 @@ Sources (``Source.open`` picks one from the path):
 - ``streaming=True``: ``datasets.load_dataset(SRC, split=..., streaming=True)`` (e.g. a folder of
   parquet files), for corpora that do not fit on disk twice; tracks named by row index.
 
-A work unit is a run of consecutive tracks, closed once it holds ``part_bytes`` of source files or
-``part_tracks`` tracks (streaming: ``part_tracks`` only, sizes being unknown; dataset rows count 0 bytes). Units are what gets
-committed, resumed, retried and split into shards, so the plan is fixed at the first run.
+A stream is cut into units of ``part_tracks`` rows (sizes being unknown). A stream is read as Arrow tables of ``part_tracks`` rows, one per unit: the audio of a unit this run
+does not do (another shard's, or one already done) is never turned into Python objects, let alone
+decoded; and a resumed run starts reading where its last finished unit began (``datasets``' own
+``state_dict``), so the data files before it are not even opened (for a remote stream: not
+downloaded). That position is checked against a fingerprint of the unit's audio before it is used.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-from collections.abc import Iterator
+import pickle
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,10 +80,6 @@ def source_spec(src: str | Path, audio_column: str = "audio", split: str | None 
         return SourceSpec(str(path.resolve()), "folder")
     raise TokenizeError(f"{src} is neither a folder of audio files, a manifest (.csv/.jsonl) nor a dataset "
                         "saved with save_to_disk (for a dataset to stream, pass --streaming)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Listing tracks
 
 
 def list_tracks(spec: SourceSpec) -> list[TrackRef]:
@@ -151,51 +151,97 @@ def _manifest_tracks(path: Path) -> list[TrackRef]:
     return refs
 
 
-def names_sha256(refs: list[TrackRef]) -> str:
-    """Fingerprint of a source's track list (names in order)."""
-    h = hashlib.sha256()
-    for r in refs:
-        h.update(r.name.encode() + b"\n")
-    return h.hexdigest()
+@dataclass
+class StreamUnit:
+    """One unit's worth of rows of a stream."""
+
+    k: int
+    rows_before: int  # rows of the stream before this unit
+    num_rows: int
+    refs: list[TrackRef] | None  # None: not wanted, its audio was not read
+    resume: dict | None  # for a wanted unit: where it starts (data file, row in it) and its audio's sha256
 
 
-# ---------------------------------------------------------------------------------------------------
-# Units
+def _unit_sha256(values: list[Any]) -> str:
+    return hashlib.sha256(pickle.dumps(values, protocol=4)).hexdigest()
 
 
-def plan_units(refs: list[TrackRef], part_bytes: int, part_tracks: int) -> list[tuple[int, int]]:
-    """(first track index, number of tracks) of each unit: consecutive tracks, closed once they hold
-    ``part_bytes`` bytes of source files or ``part_tracks`` tracks."""
-    units, first, size = [], 0, 0
-    for i, r in enumerate(refs):
-        size += r.size
-        if size >= part_bytes or i + 1 - first >= part_tracks:
-            units.append((first, i + 1 - first))
-            first, size = i + 1, 0
-    if first < len(refs):
-        units.append((first, len(refs) - first))
-    return units
+class _StreamMoved(Exception):
+    """A saved stream position did not lead to the rows recorded for it."""
 
 
-def stream_units(spec: SourceSpec, part_tracks: int, wanted=lambda k: True) -> Iterator[tuple[int, list[TrackRef]]]:
-    """(unit index, tracks) of a streaming source, ``part_tracks`` rows per unit. Rows of units that
-    ``wanted(k)`` rejects are read past without keeping their audio."""
-    unit: list[TrackRef] = []
-    k = 0
-    for i, value in enumerate(_hf_stream(spec)):
-        if wanted(k):
-            unit.append(TrackRef(i, str(i), f"{spec.path}[{i}]", 0, _row_payload(value, f"{spec.path}[{i}]")))
-        else:
-            unit.append(TrackRef(i, str(i), "", 0, None))
-        if len(unit) == part_tracks:
-            yield k, unit
-            unit, k = [], k + 1
-    if unit:
-        yield k, unit
+def stream_units(spec: SourceSpec, part_tracks: int, wanted: Callable[[int], bool] = lambda k: True,
+                 start: dict | None = None) -> Iterator[StreamUnit]:
+    """The units of a streaming source, ``part_tracks`` rows each, in order.
+
+    The stream is read data file by data file (``IterableDataset.shard(num_shards, i)``: the stream's
+    i-th data source) as Arrow tables; only the units ``wanted(k)`` accepts have their audio turned into
+    Python objects. ``start`` ({"unit": q, "file": f, "row": r, "sha256": ...}, as recorded for a
+    finished unit q) starts at unit q: data files before f are not opened, the first r rows of f are
+    skipped as Arrow data, and unit q's audio must match ``sha256``; if it does not (the stream has
+    changed), a warning says so and the stream is read from its start.
+    """
+    if start is not None:
+        try:
+            yield from _stream_units(spec, part_tracks, wanted, start)
+            return
+        except _StreamMoved as e:
+            warnings.warn(f"resuming the stream {spec.path} at unit {start['unit']} failed ({e}); reading it "
+                          "from the start", RuntimeWarning, stacklevel=2)
+    yield from _stream_units(spec, part_tracks, wanted, None)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Opening a track
+def _stream_units(spec: SourceSpec, part_tracks: int, wanted: Callable[[int], bool],
+                  start: dict | None) -> Iterator[StreamUnit]:
+    import pyarrow as pa
+
+    ds = _hf_stream(spec)
+    files = ds.num_shards
+    k, first_file, skip = (start["unit"], start["file"], start["row"]) if start else (0, 0, 0)
+    if first_file >= max(files, 1):
+        raise _StreamMoved(f"the stream has {files} data files, fewer than {first_file + 1}")
+    pending: list[pa.Table] = []  # rows of unit k read so far
+    where = (first_file, skip)  # data file and row in it where unit k starts
+
+    def emit(table: pa.Table) -> StreamUnit:
+        rows_before = k * part_tracks  # every unit but the last is full
+        check = start is not None and k == start["unit"]
+        if spec.audio_column not in table.column_names:
+            raise TokenizeError(f"{spec.path}: rows {rows_before}.. have no column {spec.audio_column!r} "
+                                f"(columns: {', '.join(table.column_names)}); name it with --audio-column")
+        refs, resume = None, None
+        if wanted(k) or check:
+            values = table.column(spec.audio_column).to_pylist()
+            digest = _unit_sha256(values)
+            if check and digest != start["sha256"]:
+                raise _StreamMoved(f"the rows found there are not unit {k}'s")
+            if wanted(k):
+                refs = [TrackRef(i, str(i), f"{spec.path}[{i}]", 0, _row_payload(v, f"{spec.path}[{i}]"))
+                        for i, v in enumerate(values, rows_before)]
+                resume = {"file": where[0], "row": where[1], "sha256": digest}
+        return StreamUnit(k, rows_before, table.num_rows, refs, resume)
+
+    for f in range(first_file, files):
+        row = 0  # rows of data file f read so far
+        part = ds if files == 1 else ds.shard(num_shards=files, index=f, contiguous=True)
+        for table in part.iter(batch_size=max(1, part_tracks)):
+            if f == first_file and row < skip:  # before the resumed unit: dropped as Arrow data
+                drop = min(skip - row, table.num_rows)
+                table, row = table.slice(drop), row + drop
+            while table.num_rows:
+                take = part_tracks - sum(t.num_rows for t in pending)
+                pending.append(table.slice(0, take))
+                table, row = table.slice(take), row + min(take, table.num_rows)
+                if sum(t.num_rows for t in pending) == part_tracks:
+                    yield emit(pa.concat_tables(pending))
+                    pending, k, where = [], k + 1, (f, row)
+        if f == first_file and row < skip:
+            raise _StreamMoved(f"data file {f} has {row} rows, fewer than the {skip} expected")
+        if not pending and (f, row) == where:
+            where = (f + 1, 0)  # the next unit starts in the next file
+    if pending:
+        yield emit(pa.concat_tables(pending))
+
 
 _HF_CACHE: dict[SourceSpec, Any] = {}
 
@@ -224,8 +270,9 @@ def _hf_on_disk(spec: SourceSpec):
     return ds
 
 
-def _hf_stream(spec: SourceSpec) -> Iterator[Any]:
-    """The audio values of a streaming dataset, in order."""
+def _hf_stream(spec: SourceSpec):
+    """The stream's audio column as Arrow tables (``with_format("arrow")``: no row is decoded or turned
+    into Python objects until asked)."""
     import datasets
 
     try:
@@ -236,12 +283,9 @@ def _hf_stream(spec: SourceSpec) -> Iterator[Any]:
     if features and spec.audio_column not in features:
         raise TokenizeError(f"{spec.path} has no column {spec.audio_column!r} (columns: {', '.join(features)}); "
                             "name the audio column with --audio-column")
-    if isinstance(features.get(spec.audio_column), datasets.Audio):
-        ds = ds.cast_column(spec.audio_column, datasets.Audio(decode=False))
-    for row in ds:
-        if spec.audio_column not in row:
-            raise TokenizeError(f"{spec.path}: a row has no column {spec.audio_column!r}")
-        yield row[spec.audio_column]
+    if features:
+        ds = ds.select_columns([spec.audio_column])
+    return ds.with_format("arrow")
 
 
 def _row_payload(value: Any, where: str) -> Any:

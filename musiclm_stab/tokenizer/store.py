@@ -1,0 +1,395 @@
+"""The tokenizer's output folder as it is written: committed work units, resume state, finalizing.
+
+    OUT/
+      tokenizer.json                  the tokenizer and the dataset's counts; written last, so its presence
+                                      means the output is complete
+      failures.jsonl                  one row per input not tokenized: track, path, kind, reason
+      warnings.jsonl                  one row per warning about an input that was tokenized: track, path,
+                                      kind, reason (audio.WARNING_KINDS: odd but usable audio)
+      .tokenize.lock                  held (flock) by the process writing the folder: one writer at a time
+      state.json, dataset_info.json   an HF dataset (``datasets.load_from_disk(OUT)`` works) whose data
+      parts/u000000.arrow ...         files are the committed units' rows, in unit order (no copy at the end)
+      .tokenize/job.json              what this output is: weights, settings, source, plan, shard
+      .tokenize/units/u000000.json    a unit's commit record (rows, failures), written after its part file
+
+A unit's part file is written under a temporary name and renamed; its record is written the same way
+afterwards, and only a record makes a unit done. A run killed at any moment leaves whole units and
+at most some debris (temporary files, a part without a record), which the next run overwrites or
+deletes. Unit contents depend only on the unit's tracks and the settings, so a resumed run writes the
+same rows as an uninterrupted one.
+The format and how to read it are in musiclm_stab/data/tokenized.py (the read side: training
+imports that, never this package); the lock in lock.py, merging shards in merge.py.
+
+A long track may be cut into several units ("pieces", each a range of its segments; see
+segments.py), so that several workers encode it. A piece cannot know whether the whole track is
+usable (a decode error or the silence policy may strike in another piece), so its record carries
+what it saw, and ``summary_counts`` decides per track when finishing: a track refused in any piece
+keeps none of its pieces' rows (a piece's part file holds rows of that one track only), exactly as an
+unsplit run would have written it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+from musiclm_stab import SAMPLE_RATE, __version__
+from musiclm_stab.data.tokenized import (
+    FAILURES_FILE,
+    FEATURES,
+    METADATA_FILE,
+    PARTS_DIR,
+    STATE_DIR,
+    WARNINGS_FILE,
+    codebook_usage,
+    unit_groups,
+)
+from musiclm_stab.tokenizer.lock import LOCK_FILE
+from musiclm_stab.tokenizer.policy import silent_reason
+from musiclm_stab.tokenizer.sources import TokenizeError
+
+STATE_VERSION = 2  # bump when a change alters the rows made from the same input and settings
+
+_COMPARED = ("format", "tokenizer", "settings", "encode", "source", "plan", "shard")  # job.json keys a rerun must match
+
+# Codes made on a GPU and on a CPU with the same weights are the same tokenizer's codes (they agree on ~98%
+# of frames with TF32 off, README), so shards made on different device types may be merged and trained on
+# together, with a warning. One output (a resumed run) stays on one device type.
+DEVICE_KEY = "encode.device"
+
+
+class OutputMismatch(ValueError):
+    """An existing output was started with other weights, settings, source or shard than this run."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write a file so that it is either absent, the old version, or complete: never half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def job_differences(old: dict, new: dict, ignore: Sequence[str] = ()) -> list[str]:
+    """Human-readable differences between two jobs, over the keys a rerun must match (less ``ignore``)."""
+    a = _flatten({k: old.get(k) for k in _COMPARED})
+    b = _flatten({k: new.get(k) for k in _COMPARED})
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if key in ignore:
+            continue
+        if a.get(key) != b.get(key):
+            va, vb = a.get(key), b.get(key)
+            if isinstance(va, list) and len(str(va)) > 60:  # the unit plan: say how it differs, briefly
+                va, vb = f"{len(va)} units", f"{len(vb) if isinstance(vb, list) else vb} units"
+            lines.append(f"  {key}: {va!r} (existing output) != {vb!r} (this run)")
+    return lines
+
+
+def job_sha256(job: dict) -> str:
+    """Identity of a job regardless of shard and device type: shards of one job share it."""
+    keyed = {k: job.get(k) for k in _COMPARED if k != "shard"}
+    keyed["encode"] = {k: v for k, v in (keyed.get("encode") or {}).items() if k != "device"}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+
+
+def _entries(path: Path) -> list[Path]:
+    """What a folder holds, less the lock file (which a run creates before anything else)."""
+    return [p for p in path.iterdir() if p.name != LOCK_FILE]
+
+
+def check_output_folder(out: str | Path) -> None:
+    """Refuse (FileExistsError) an output path that exists and is not a folder this tokenizer wrote:
+    nothing is created in it, not even the lock file."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (_entries(out) and not _is_tokenizer_output(out))):
+        raise FileExistsError(f"refusing to use {out}: it exists and does not look like a tokenized "
+                              f"dataset (no {METADATA_FILE}); delete it yourself or choose another output")
+
+
+def _clear(out: Path) -> None:
+    """Delete what a folder holds, except the lock file (which the caller holds)."""
+    for p in _entries(out):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def _is_tokenizer_output(path: Path) -> bool:
+    """A folder this tokenizer wrote: resume state, or a tokenizer.json naming its weights. (A plain HF
+    dataset saved with save_to_disk is not one, so --overwrite never deletes it.)"""
+    if (path / STATE_DIR).is_dir():
+        return True
+    try:
+        return "weights_sha256" in json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+class OutputDir:
+    """The state of one tokenizer output folder."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self.state = self.out / STATE_DIR
+        self.units_dir = self.state / "units"
+        self.parts_dir = self.out / PARTS_DIR
+
+    # -- opening ------------------------------------------------------------------------------------
+
+    @classmethod
+    def prepare(cls, out: str | Path, job: dict, overwrite: bool) -> OutputDir:
+        """Open ``out`` for ``job``: a new folder, or one this very job started (resume) or finished.
+
+        Refuses (OutputMismatch) an output started with other settings, weights, source or shard, and
+        (FileExistsError) a non-empty folder that is not a tokenizer output; ``overwrite`` replaces a
+        tokenizer output of any kind, never anything else. Call it holding ``output_lock(out)``.
+        """
+        d = cls(out)
+        if d.state.is_dir() and not (d.state / "job.json").is_file() and not any(d.units_dir.glob("*")) \
+                and not (d.out / METADATA_FILE).exists():
+            # a run killed before it wrote its job: nothing was done, start afresh (an empty parts/ is what
+            # versions that made it before the job left)
+            shutil.rmtree(d.state)
+            if d.parts_dir.is_dir() and not any(d.parts_dir.iterdir()):
+                d.parts_dir.rmdir()
+        if d.out.exists() and (not d.out.is_dir() or _entries(d.out)):
+            check_output_folder(d.out)
+            if overwrite:
+                _clear(d.out)
+            elif not (d.state / "job.json").is_file():
+                raise FileExistsError(f"{d.out} holds a tokenized dataset made without resume state (an older "
+                                      "version); pass --overwrite (overwrite=True) to replace it")
+            else:
+                old = d.job()
+                if "units" in job["plan"] and old["plan"].get("names_sha256") == job["plan"].get("names_sha256"):
+                    # same tracks: the first run's units stay in force even if file sizes changed since
+                    job = {**job, "plan": {**job["plan"], "units": old["plan"].get("units")}}
+                diffs = job_differences(old, job)
+                if diffs:
+                    what = "finished" if d.is_complete() else "unfinished"
+                    device = (" (one output is tokenized on one device type; to use another, tokenize into "
+                              "another folder: shards made on different devices can be loaded or merged "
+                              "together)") if any(line.startswith(f"  {DEVICE_KEY}:") for line in diffs) else ""
+                    raise OutputMismatch(
+                        f"{d.out} holds {'a' if what == 'finished' else 'an'} {what} tokenization made with other settings, so the two cannot be "
+                        "mixed:\n" + "\n".join(diffs) + "\nRerun with the original settings to "
+                        f"{'reuse' if what == 'finished' else 'finish'} it, choose another output folder, or "
+                        f"pass --overwrite (overwrite=True) to start over{device}.")
+                d._make_dirs()  # a run killed right after writing its job made none yet
+                return d
+        d.state.mkdir(parents=True, exist_ok=True)
+        # the job first: from then on the folder is a tokenizer output (a run killed before it leaves only
+        # .tokenize/, which the next run deletes, above)
+        atomic_write(d.state / "job.json", json.dumps(job, indent=1) + "\n")
+        d._make_dirs()
+        return d
+
+    def _make_dirs(self) -> None:
+        self.units_dir.mkdir(exist_ok=True)
+        self.parts_dir.mkdir(exist_ok=True)
+
+    def job(self) -> dict:
+        return json.loads((self.state / "job.json").read_text())
+
+    def update_job(self, **fields: Any) -> None:
+        atomic_write(self.state / "job.json", json.dumps({**self.job(), **fields}, indent=1) + "\n")
+
+    def is_complete(self) -> bool:
+        return (self.out / METADATA_FILE).is_file()
+
+    # -- units --------------------------------------------------------------------------------------
+
+    def part_file(self, k: int) -> Path:
+        return self.parts_dir / f"u{k:06d}.arrow"
+
+    def temp_part_file(self, k: int) -> Path:
+        return self.parts_dir / f".u{k:06d}.{os.getpid()}.tmp"
+
+    def record(self, k: int) -> dict | None:
+        path = self.units_dir / f"u{k:06d}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def done_units(self) -> set[int]:
+        return {int(p.stem[1:]) for p in self.units_dir.glob("u*.json")}
+
+    def commit(self, record: dict) -> None:
+        """Mark a unit done; its part file (if it has rows) must already be in place."""
+        if record["file"]:
+            assert (self.out / record["file"]).is_file(), record
+        atomic_write(self.units_dir / f"u{record['unit']:06d}.json", json.dumps(record) + "\n")
+
+    def reopen_failed(self) -> int:
+        """Forget the units that recorded failures (for a long track cut into pieces: all its pieces), so
+        they run again; returns how many.
+
+        The completion marker goes first: from then on the output reads as unfinished until finalized.
+        """
+        done = sorted(self.done_units())
+        records = {k: self.record(k) for k in done}
+        failed = {k for k in done if records[k]["failures"]}
+        plan = self.job()["plan"].get("units")
+        groups = unit_groups(plan) if plan else list(range(max(done, default=-1) + 1))
+        settings = self.job()["settings"]
+        for g, ks in _pieces_by_group(records, groups).items():
+            complete = len(ks) == groups.count(g)
+            if any(records[k]["piece"]["failure"] for k in ks) or \
+                    (complete and track_verdict([records[k]["piece"] for k in ks], settings)):
+                failed.update(ks)
+        if failed:
+            (self.out / METADATA_FILE).unlink(missing_ok=True)
+            for k in sorted(failed):
+                (self.units_dir / f"u{k:06d}.json").unlink()
+        return len(failed)
+
+    # -- finishing ----------------------------------------------------------------------------------
+
+    def summary_counts(self, units: Sequence[int]) -> dict[str, Any]:
+        """Counts, failures, warnings and part files of the committed ``units`` (all must be done).
+
+        The pieces of a long track are judged together (``track_verdict``): a track refused in any
+        piece contributes one failure and none of its pieces' rows.
+        """
+        records = [self.record(k) for k in units]
+        missing = [k for k, r in zip(units, records) if r is None]
+        if missing:
+            raise RuntimeError(f"{self.out}: units {missing[:5]} are not done")
+        settings = self.job()["settings"]
+        used, failures, warns = [], [], []
+        i = 0
+        while i < len(records):
+            r = records[i]
+            if "piece" not in r:
+                used.append(r)
+                failures += r["failures"]
+                warns += r.get("warnings", [])
+                i += 1
+                continue
+            j = i + 1  # the pieces of one track are consecutive units
+            while j < len(records) and "piece" in records[j] and records[j]["first"] == r["first"]:
+                j += 1
+            pieces = records[i:j]
+            failure = track_verdict([p["piece"] for p in pieces], settings)
+            if failure:
+                failures.append(failure)
+            else:
+                used += pieces
+                for w in (w for p in pieces for w in p.get("warnings", [])):
+                    if w not in warns:  # a warning about the whole file may come from every piece
+                        warns.append(w)
+            i = j
+        precisions = [r.get("fp32_precision") for r in records]
+        counts = [r.get("code_counts") for r in used if r["num_rows"]]
+        usage = None  # units of an older version did not count their codes
+        if counts and None not in counts:
+            usage = codebook_usage(np.sum(np.asarray(counts, dtype=np.int64), axis=0))
+        return {
+            "records": records,
+            "parts": [{"unit": r["unit"], "file": r["file"], "rows": r["num_rows"]} for r in used if r["file"]],
+            "failures": failures,
+            "warnings": warns,
+            "num_rows": sum(r["num_rows"] for r in used),
+            "num_tracks": sum(r["num_tracks"] for r in used) + len({r["first"] for r in used if "piece" in r}),
+            "total_samples": sum(r["num_samples"] for r in used),
+            "num_silent_segments": sum(r["silent_segments"] for r in used),
+            "failures_by_kind": dict(sorted(Counter(f["kind"] for f in failures).items())),
+            "warnings_by_kind": dict(sorted(Counter(w["kind"] for w in warns).items())),
+            # whether the encoder ran with TF32 (None: not recorded, units of an older version)
+            "tf32": None if None in precisions else any("tf32" in p.values() for p in precisions),
+            "codebook_usage": usage,
+        }
+
+    def finalize(self, units: Sequence[int], meta: dict[str, Any]) -> dict[str, Any]:
+        """Turn the committed units into the HF dataset + tokenizer.json + failures.jsonl + warnings.jsonl;
+        returns the metadata written. Raises TokenizeError when no unit has rows (failures.jsonl is
+        still written)."""
+        c = self.summary_counts(units)
+        parts = c["parts"]
+        atomic_write(self.out / FAILURES_FILE, "".join(json.dumps(f) + "\n" for f in c["failures"]))
+        atomic_write(self.out / WARNINGS_FILE, "".join(json.dumps(w) + "\n" for w in c["warnings"]))
+        if not parts and not meta.get("shard"):
+            shown = "; ".join(f"{f['path']}: {f['reason']}" for f in c["failures"][:3])
+            raise TokenizeError(f"every one of the {len(c['failures'])} inputs failed ({shown}); "
+                                f"all reasons in {self.out / FAILURES_FILE}")
+        if parts:  # a shard may finish with no rows (fewer units than shards, or all its inputs failed)
+            datasets.DatasetInfo(features=FEATURES).write_to_directory(str(self.out))
+            fingerprint = hashlib.sha256(json.dumps([meta.get("job_sha256"), parts]).encode()).hexdigest()[:16]
+            state = {"_data_files": [{"filename": p["file"]} for p in parts], "_fingerprint": fingerprint,
+                     "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                     "_output_all_columns": False, "_split": None}
+            atomic_write(self.out / "state.json", json.dumps(state, indent=2) + "\n")
+        # part files of every record stay (a refused long track's pieces too: merging links them)
+        keep = {Path(r["file"]).name for r in c["records"] if r["file"]}
+        for stray in self.parts_dir.iterdir():  # temporary files of killed runs, parts of retried units
+            if stray.name not in keep:
+                stray.unlink()
+        meta = {
+            **meta,
+            "num_rows": c["num_rows"],
+            "num_tracks": c["num_tracks"],
+            "total_seconds": round(c["total_samples"] / SAMPLE_RATE, 6),
+            "num_failures": len(c["failures"]),
+            "failures_by_kind": c["failures_by_kind"],
+            "num_silent_segments": c["num_silent_segments"],
+            "num_warnings": len(c["warnings"]),
+            "warnings_by_kind": c["warnings_by_kind"],
+            "tf32": c["tf32"],
+            "codebook_usage": c["codebook_usage"],
+            "parts": parts,
+            "created_by": f"musiclm-stab tokenize {__version__}",
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        atomic_write(self.out / METADATA_FILE, json.dumps(meta, indent=2) + "\n")  # last: complete
+        return meta
+
+
+def _pieces_by_group(records: dict[int, dict], groups: Sequence[int]) -> dict[int, list[int]]:
+    """The done units that are pieces of a long track, by group (track)."""
+    out: dict[int, list[int]] = {}
+    for k, r in sorted(records.items()):
+        if "piece" in r:
+            out.setdefault(groups[k], []).append(k)
+    return out
+
+
+def track_verdict(pieces: Sequence[dict], settings: dict) -> dict | None:
+    """The failure of a long track cut into pieces, judged from what each piece saw; None if it is used.
+
+    ``pieces``: each piece's ``piece`` record (in segment order) with ``failure`` (an error seen in its
+    part of the track, or None), ``peak`` (max |x| of its part at the source rate), ``kept`` rows.
+    Mirrors an unsplit unit: any error; a whole-track peak below the silence threshold; no segment
+    above it.
+    """
+    for p in pieces:
+        if p["failure"]:
+            return p["failure"]
+    first = pieces[0]
+    where = {"track": first["track"], "path": first["path"]}
+    peak = max(p["peak"] for p in pieces)
+    if settings["silence"] == "skip":
+        reason = silent_reason(peak, settings["silence_db"], sum(p["kept"] for p in pieces))
+        if reason:
+            return {**where, "kind": "silent", "reason": reason}
+    return None

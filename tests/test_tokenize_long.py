@@ -1,0 +1,183 @@
+"""Long recordings: a long lossless track is cut into pieces (units of its segments) that several workers
+encode, with the rows, order, failures and counts of an unsplit run, and an exact resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+import musiclm_stab.audio as audio_mod
+from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.tokenizer.merge import merge_shards
+from musiclm_stab.tokenizer.pipeline import tokenize
+
+# batches of 2 segments: pieces hold whole batches, so pieces of 2 s and more fit these short tracks
+KW = dict(segment_seconds=0.5, min_seconds=0.1, batch_size=2, progress=False)
+
+
+def _rows(path) -> dict[str, list]:
+    ds, _ = load_tokenized(path)
+    return {c: ds[c] for c in ("id", "track", "start", "num_frames", "codes", "pcm")}
+
+
+def _assert_same_rows(a: dict, b: dict) -> None:
+    """The same rows in the same order: ids, starts, and pcm and codes bit for bit."""
+    assert a["id"] == b["id"] and len(set(a["id"])) == len(a["id"])
+    assert a["track"] == b["track"] and a["start"] == b["start"] and a["num_frames"] == b["num_frames"]
+    for x, y in zip(a["codes"], b["codes"], strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(a["pcm"], b["pcm"], strict=True):
+        np.testing.assert_array_equal(np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.float32))
+
+
+def _plan(out) -> list[list]:
+    return json.loads((out / ".tokenize" / "job.json").read_text())["plan"]["units"]
+
+
+@pytest.fixture(scope="module")
+def rates_src(tmp_path_factory, make_music):
+    """6.2 s stereo tracks at rates whose resampler frames do (44.1, 22.05 kHz) and do not (44101 Hz:
+    read from the start) divide the decode block, a 24 kHz one (no resampling), a float WAV (not split:
+    its gain depends on the whole track) and a short track (not split)."""
+    src = tmp_path_factory.mktemp("rates") / "src"
+    src.mkdir()
+    for name, sr in (("a44k.flac", 44_100), ("b22k.flac", 22_050), ("c44101.wav", 44_101), ("d24k.wav", 24_000)):
+        sf.write(src / name, make_music(6.2, seed=sr % 101, sr=sr, channels=2), sr)
+    sf.write(src / "e_float.wav", make_music(6.2, seed=7), 24_000, subtype="FLOAT")
+    sf.write(src / "f_short.flac", make_music(1.3, seed=8), 24_000)
+    return src
+
+
+def test_pieces_read_from_mid_file_give_the_rows_of_an_unsplit_run(rates_src, local_weights, tmp_path,
+                                                                  monkeypatch):
+    """With 0.7 s decode blocks, pieces of 2 s start mid-file (seek) at every sample rate; their rows equal
+    an unsplit run's bit for bit, in the same order and with the same counts; the float and the short
+    track stay whole units; shards (which take whole tracks) and their merge give the same rows."""
+    monkeypatch.setattr(audio_mod, "BLOCK_SECONDS", 0.7)  # in this process: workers=0
+    kw = dict(weights=str(local_weights), workers=0, **KW)
+    whole = tokenize(rates_src, tmp_path / "whole", piece_seconds=None, **kw)
+    split = tokenize(rates_src, tmp_path / "split", piece_seconds=2.0, **kw)
+    plan = _plan(tmp_path / "split")
+    assert plan[:3] == [[0, 1, 0, 4], [0, 1, 4, 8], [0, 1, 8, None]]  # 12 segments + a tail
+    assert [u for u in plan if u[0] >= 4] == [[4, 2]]  # the float WAV and the short track: one unit
+    assert (split.num_units, whole.num_units) == (13, 1)
+    _assert_same_rows(_rows(tmp_path / "split"), _rows(tmp_path / "whole"))
+    assert (split.num_rows, split.num_tracks, split.total_seconds) == \
+        (whole.num_rows, whole.num_tracks, whole.total_seconds)
+
+    for i in range(2):
+        tokenize(rates_src, tmp_path / f"shard{i}", piece_seconds=2.0, shard=f"{i}/2", **kw)
+    shards = [tmp_path / f"shard{i}" for i in range(2)]
+    for out in shards:  # whole tracks per shard: every piece of track 0 in shard 0, of track 1 in shard 1
+        tracks = {json.loads(p.read_text())["first"] for p in (out / ".tokenize" / "units").iterdir()}
+        assert tracks in ({0, 2, 4}, {1, 3})
+    _assert_same_rows(_rows(shards), _rows(tmp_path / "whole"))
+    merge_shards(tmp_path / "merged", shards)
+    _assert_same_rows(_rows(tmp_path / "merged"), _rows(tmp_path / "whole"))
+
+
+@pytest.fixture(scope="module")
+def long_src(tmp_path_factory, make_music):
+    """One 26 s 44.1 kHz stereo FLAC: with 5 s pieces, 5 units, the last read from mid-file (10 s decode
+    blocks: it starts in block 2, so it reads from block 1 on)."""
+    src = tmp_path_factory.mktemp("long") / "src"
+    src.mkdir()
+    sf.write(src / "concert.flac", make_music(26.0, seed=33, sr=44_100, channels=2), 44_100)
+    return src
+
+
+@pytest.fixture(scope="module")
+def unsplit(long_src, local_weights, tmp_path_factory):
+    """The track tokenized as one unit, in this process."""
+    out = tmp_path_factory.mktemp("unsplit") / "out"
+    tokenize(long_src, out, weights=str(local_weights), workers=0, piece_seconds=None, **KW)
+    return out
+
+
+def test_one_long_track_uses_every_worker(long_src, unsplit, local_weights, tmp_path):
+    """One long track, 2 worker processes: its 5 pieces are encoded by both workers (the unit records name
+    two pids) and the rows equal the unsplit run's."""
+    out = tmp_path / "out"
+    s = tokenize(long_src, out, weights=str(local_weights), workers=2, piece_seconds=5.0, **KW)
+    assert _plan(out) == [[0, 1, 0, 10], [0, 1, 10, 20], [0, 1, 20, 30], [0, 1, 30, 40], [0, 1, 40, None]]
+    records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").iterdir()]
+    assert len({r["pid"] for r in records}) == 2 and s.num_units == 5  # old code: one unit, one process
+    _assert_same_rows(_rows(out), _rows(unsplit))
+
+
+def test_kill_9_while_a_long_track_is_in_pieces_then_rerun_equals_unsplit(long_src, unsplit, local_weights,
+                                                                          tmp_path):
+    """`musiclm-stab tokenize --piece-seconds 5` killed with SIGKILL after some pieces are committed, then
+    run again (here in this process), ends with the rows of the unsplit run exactly once each."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "musiclm_stab.cli", "tokenize", str(long_src), str(out), "--weights",
+           str(local_weights), "--workers", "2", "--segment-seconds", "0.5", "--min-seconds", "0.1",
+           "--piece-seconds", "5", "--batch-size", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    units = out / ".tokenize" / "units"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None and \
+            not (units.is_dir() and len(list(units.glob("u*.json"))) >= 2):
+        time.sleep(0.05)
+    assert proc.poll() is None, f"finished or failed before the kill: {proc.stderr.read().decode()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(units.glob("u*.json")))
+    assert 2 <= done < 5 and not (out / "tokenizer.json").exists()
+    s = tokenize(long_src, out, weights=str(local_weights), workers=0, piece_seconds=5.0, **KW)
+    assert (s.units_done_before, s.num_units) == (done, 5)
+    _assert_same_rows(_rows(out), _rows(unsplit))
+
+
+def test_a_long_track_is_judged_whole_from_its_pieces(tmp_path, local_weights, make_music):
+    """The track-level verdicts of an unsplit run hold for a track in pieces: a track damaged in one part
+    gives one failure and no rows (the other pieces' rows are left out), a silent track and one whose only
+    sound is in its dropped tail fail as silent with the unsplit run's reasons; the rest of the output
+    and its counts are the unsplit run's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    music = make_music(6.2, seed=40)
+    # "silent" files hold noise at -80 dBFS: FLACs of digital silence are too small to be looked at as long
+    floor = np.random.default_rng(0).normal(0, 1e-4, len(music)).astype(np.float32)
+    sf.write(src / "a_good.flac", music, 24_000)
+    sf.write(src / "b_silent.flac", floor, 24_000)
+    seg = 11_840  # 0.5 s rounded down to whole 320-sample frames
+    tail = floor[: 12 * seg + 960].copy()  # 12 silent segments, then a 0.04 s tail < min_seconds
+    tail[-960:] = music[:960]
+    sf.write(src / "c_loud_tail.flac", tail, 24_000)
+    gap = music.copy()
+    gap[3 * seg : 5 * seg] = floor[: 2 * seg]  # segments 3 and 4 silent: left out
+    sf.write(src / "d_gap.flac", gap, 24_000)
+    flac = (src / "a_good.flac").read_bytes()
+    cut = len(flac) * 2 // 3
+    (src / "e_damaged.flac").write_bytes(flac[:cut] + bytes(3000) + flac[cut + 3000:])
+    kw = dict(weights=str(local_weights), workers=0, **KW)
+    whole = tokenize(src, tmp_path / "whole", piece_seconds=None, **kw)
+    split = tokenize(src, tmp_path / "split", piece_seconds=2.0, **kw)
+    assert split.num_units == 15  # 5 tracks of 3 pieces
+    _assert_same_rows(_rows(tmp_path / "split"), _rows(tmp_path / "whole"))
+    for key in ("num_rows", "num_tracks", "num_failures", "failures_by_kind", "num_silent_segments"):
+        assert getattr(split, key) == getattr(whole, key), key
+    assert split.failures_by_kind == {"corrupt": 1, "silent": 2} and split.num_silent_segments == 2
+
+    def failures(out) -> dict[str, dict]:
+        return {f["track"]: f for f in map(json.loads, (out / "failures.jsonl").read_text().splitlines())}
+
+    a, b = failures(tmp_path / "whole"), failures(tmp_path / "split")
+    assert list(a) == list(b) == ["b_silent.flac", "c_loud_tail.flac", "e_damaged.flac"]
+    assert a["b_silent.flac"] == b["b_silent.flac"] and a["c_loud_tail.flac"] == b["c_loud_tail.flac"]
+    assert b["e_damaged.flac"]["kind"] == "corrupt" and "(in the part from" in b["e_damaged.flac"]["reason"]
+
+    (src / "e_damaged.flac").write_bytes(flac)  # repaired: --retry-failures runs all its pieces again
+    retried = tokenize(src, tmp_path / "split", piece_seconds=2.0, retry_failures=True, **kw)
+    assert retried.failures_by_kind == {"silent": 2} and retried.num_tracks == whole.num_tracks + 1
+    ids = load_tokenized(tmp_path / "split")[0]["id"]
+    assert ids[-13:] == [f"e_damaged.flac@{i * 11_840}" for i in range(13)]  # 12 segments and the tail
