@@ -8,6 +8,14 @@ another: ``--config recipe.yaml --config recipes/overlays/tiny.yaml``. Command-l
 
 Every value is validated here, before any work starts: unknown keys, bad types and unknown choices
 fail with a message that names the setting and the valid choices.
+
+Per-size defaults. The settings that MERT's two configs set differently (``SIZE_DEFAULTS``: dimensions,
+norm placement, dropouts, layerdrop, feature_grad_mult, final_dim, noise-mixup segment lengths) default
+to None and are filled from the size's row by ``Config.resolved()``: ``base`` is MERT-95M
+(config/pretrain/MERT_RVQ-VAE_CQT_95M.yaml), ``large`` MERT-330M (..._330M.yaml), ``tiny`` this project's
+CPU size (its values are the project's earlier defaults). A value given in a recipe or on the command
+line wins over the size's. ``load_config`` returns the resolved config, and the resolved values are what
+``runs/<name>/config.yaml`` records. docs/FIDELITY.md compares every setting with MERT's.
 """
 
 from __future__ import annotations
@@ -24,14 +32,47 @@ import yaml
 NORM_SCHEMES = ("pre", "post", "deepnorm", "sandwich", "subln")
 ATTENTION_FORMS = ("sdpa", "math", "relax")
 NORM_TYPES = ("layernorm", "rmsnorm")
+INIT_SCHEMES = ("mert", "xavier")
+MIXUP_MODES = ("mert", "rms")
+LOSS_UNITS = ("bits", "nats")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 CLIP_MODES = ("fixed", "zclip", "autoclip")
+# accelerate's trackers (log_with), any of which train.trackers may name when its package is installed;
+# "all": every installed one.
+TRACKERS = ("all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+# List settings that may be empty (every other list setting must name at least one thing).
+EMPTY_LIST_OK = ("train.trackers",)
 
-# name -> (num_layers, width, ffn_dim, num_heads, conv_dim)
-MODEL_SIZES: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny": (2, 128, 512, 4, 64),
-    "base": (12, 768, 3072, 12, 512),
-    "large": (24, 1024, 4096, 16, 512),
+# Per-size defaults, one row per size (section -> setting -> value); see the module docstring. The MERT
+# config lines are in docs/FIDELITY.md. Settings absent from a row are the same for every size.
+SIZE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {  # this project's CPU size: the earlier defaults, final_dim as the tiny recipes had it
+        "model": dict(num_layers=2, width=128, ffn_dim=512, num_heads=4, conv_dim=64, norm_scheme="pre",
+                      dropout=0.1, attention_dropout=0.1, feature_dropout=0.1, layerdrop=0.0,
+                      feature_grad_mult=0.1, final_dim=64),
+        "data": dict(mixup_min_seconds=0.5, mixup_max_seconds=1.5),
+    },
+    "base": {  # MERT-95M: post-LN (layer_norm_first false), layerdrop 0.05
+        "model": dict(num_layers=12, width=768, ffn_dim=3072, num_heads=12, conv_dim=512, norm_scheme="post",
+                      dropout=0.1, attention_dropout=0.1, feature_dropout=0.1, layerdrop=0.05,
+                      feature_grad_mult=0.1, final_dim=64),
+        "data": dict(mixup_min_seconds=0.5, mixup_max_seconds=1.0),  # 12000-24000 samples
+    },
+    "large": {  # MERT-330M: pre-LN, no dropout, full gradient into the conv frontend
+        "model": dict(num_layers=24, width=1024, ffn_dim=4096, num_heads=16, conv_dim=512, norm_scheme="pre",
+                      dropout=0.0, attention_dropout=0.0, feature_dropout=0.0, layerdrop=0.0,
+                      feature_grad_mult=1.0, final_dim=128),
+        "data": dict(mixup_min_seconds=0.5, mixup_max_seconds=1.5),  # 12000-36000 samples
+    },
+}
+MODEL_SIZES = tuple(SIZE_DEFAULTS)
+
+# What a run directory written before a setting existed did, for the settings added since (issue 15):
+# config_from_run fills these in when its config.yaml lacks them, so an old run reads back as it ran.
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, dict[str, Any]] = {
+    "model": {"init": "xavier", "require_same_masks": False},
+    "data": {"mixup_mode": "rms"},
+    "train": {"loss_unit": "nats"},
 }
 
 
@@ -58,11 +99,26 @@ class DataConfig:
     eval_fraction: float = 0.1  # share of *tracks* held out for evaluation (by a hash of the track id)
     batch_size: int = 4  # per process, per micro-step
     num_workers: int = 0
-    mixup_prob: float = 0.5  # in-batch noise mixup (input only)
+    # In-batch noise mixup of the input (targets stay clean): per clip with probability mixup_prob, 1 to
+    # mixup_max_segments segments of mixup_min..max_seconds (per size when None) from the other clips.
+    # `mert`: cut from the other clips joined end to end and added as they are (MERT's inbatch_noise_augment,
+    # volume 1.0); `rms`: each from one other clip, scaled to the clip's RMS times mixup_gain_db.
+    mixup_mode: str = "mert"
+    mixup_prob: float = 0.5
     mixup_max_segments: int = 3
-    mixup_min_seconds: float = 0.5
-    mixup_max_seconds: float = 1.5
-    mixup_gain_db: tuple[float, float] = (-10.0, 0.0)  # added segment level relative to the clip's RMS
+    mixup_min_seconds: float | None = None
+    mixup_max_seconds: float | None = None
+    mixup_gain_db: tuple[float, float] = (-10.0, 0.0)  # `rms` only: segment level relative to the clip's RMS
+    # Seed of the data order (None: train.seed, so each seed has its own order). It covers which training
+    # segments each step sees and in what order (the epoch's permutation, or the streaming shuffle buffer)
+    # and where each crop starts; noise mixup and span masks stay with train.seed, as do init and dropout.
+    # Runs with one order_seed and different train.seed see the same crops in the same order.
+    order_seed: int | None = None
+
+    def resolved(self, size: str) -> DataConfig:
+        """Copy with the model size's values filled in where not given explicitly."""
+        _choice("model.size", size, MODEL_SIZES)
+        return _fill(self, SIZE_DEFAULTS[size]["data"])
 
     def validate(self) -> None:
         paths = self.path if isinstance(self.path, list) else [self.path]
@@ -76,41 +132,48 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        _choice("data.mixup_mode", self.mixup_mode, MIXUP_MODES)
         if not 0.0 <= self.mixup_prob <= 1.0:
             raise ConfigError(f"data.mixup_prob must be in [0, 1], got {self.mixup_prob}")
-        if not 0 < self.mixup_min_seconds <= self.mixup_max_seconds:
-            raise ConfigError("data.mixup_min_seconds must be > 0 and <= data.mixup_max_seconds")
+        if self.mixup_min_seconds is not None and self.mixup_max_seconds is not None:
+            if not 0 < self.mixup_min_seconds <= self.mixup_max_seconds:
+                raise ConfigError("data.mixup_min_seconds must be > 0 and <= data.mixup_max_seconds")
 
 
 @dataclass
 class ModelConfig:
     size: str = "tiny"
-    # Sizes fill these when left at None; setting one overrides the size's value.
+    # None: the size's value (SIZE_DEFAULTS); setting one overrides it.
     num_layers: int | None = None
     width: int | None = None
     ffn_dim: int | None = None
     num_heads: int | None = None
     conv_dim: int | None = None
     # Normalization scheme and its orthogonal switches (see model/norm_schemes.py).
-    norm_scheme: str = "pre"
+    norm_scheme: str | None = None
     attention: str = "sdpa"
     norm_type: str = "layernorm"
     qk_norm: bool = False
     relax_alpha: float = 32.0
-    # Regularization.
-    dropout: float = 0.1
-    attention_dropout: float = 0.1
+    # Encoder weight init: `mert` N(0, 0.02) for every encoder Linear (fairseq's init_bert_params), `xavier`
+    # xavier_normal_; either way the scheme's gain multiplies fc1, fc2, out_proj, v_proj (model/encoder.py).
+    init: str = "mert"
+    # Regularization (None: the size's value).
+    dropout: float | None = None
+    attention_dropout: float | None = None
     activation_dropout: float = 0.0
-    feature_dropout: float = 0.1
-    layerdrop: float = 0.0
-    feature_grad_mult: float = 0.1
-    # Masking (HuBERT span masking).
+    feature_dropout: float | None = None  # MERT's dropout_input
+    layerdrop: float | None = None
+    feature_grad_mult: float | None = None
+    # Masking (HuBERT span masking). require_same_masks: as fairseq, every row of a batch is trimmed to
+    # the batch's smallest masked count by unmasking random masked frames (data/masking.py).
     mask_prob: float = 0.8
     mask_length: int = 5
+    require_same_masks: bool = True
     # Acoustic stream: HuBERT-style cosine logits against label embeddings, one head per codebook.
     num_codebooks: int = 8
     codebook_size: int = 1024
-    final_dim: int = 256
+    final_dim: int | None = None
     logit_temp: float = 0.1
     # Musical stream: CQT regression of the clean crop.
     cqt_bins: int = 336
@@ -123,22 +186,16 @@ class ModelConfig:
 
     def resolved(self) -> ModelConfig:
         """Copy with the size's values filled in where not given explicitly."""
-        _choice("model.size", self.size, tuple(MODEL_SIZES))
-        layers, width, ffn, heads, conv = MODEL_SIZES[self.size]
-        out = dataclasses.replace(self)
-        for name, value in zip(
-            ("num_layers", "width", "ffn_dim", "num_heads", "conv_dim"), (layers, width, ffn, heads, conv)
-        ):
-            if getattr(out, name) is None:
-                setattr(out, name, value)
-        return out
+        _choice("model.size", self.size, MODEL_SIZES)
+        return _fill(self, SIZE_DEFAULTS[self.size]["model"])
 
     def validate(self) -> None:
-        _choice("model.size", self.size, tuple(MODEL_SIZES))
-        _choice("model.norm_scheme", self.norm_scheme, NORM_SCHEMES)
+        _choice("model.size", self.size, MODEL_SIZES)
+        r = self.resolved()
+        _choice("model.norm_scheme", r.norm_scheme, NORM_SCHEMES)
         _choice("model.attention", self.attention, ATTENTION_FORMS)
         _choice("model.norm_type", self.norm_type, NORM_TYPES)
-        r = self.resolved()
+        _choice("model.init", self.init, INIT_SCHEMES)
         if r.width % r.num_heads:
             raise ConfigError(f"model.width={r.width} must be divisible by model.num_heads={r.num_heads}")
         if r.width % self.pos_conv_groups:
@@ -146,8 +203,8 @@ class ModelConfig:
         if not 0.0 <= self.mask_prob <= 1.0:
             raise ConfigError(f"model.mask_prob must be in [0, 1], got {self.mask_prob}")
         for name in ("dropout", "attention_dropout", "activation_dropout", "feature_dropout", "layerdrop"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+            if not 0.0 <= getattr(r, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(r, name)}")
         if self.mask_length < 1:
             raise ConfigError(f"model.mask_length must be >= 1, got {self.mask_length}")
         if self.relax_alpha <= 0:
@@ -163,7 +220,10 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 0.01
-    warmup_steps: int = 10
+    # Linear warmup over warmup_steps updates; when not given, over warmup_share of train.max_steps
+    # (0.08: MERT's 32k of 400k updates, both sizes).
+    warmup_steps: int | None = None
+    warmup_share: float = 0.08
     fused: bool = True  # torch's fused AdamW kernel (CPU and CUDA): ~5x faster optimizer step than foreach on CPU
     # Gradient clipping (see stability.GradClipper): `fixed` clips at clip_grad; the adaptive rules
     # `zclip` and `autoclip` use clip_grad until clip_warmup finite norms have been seen.
@@ -174,11 +234,20 @@ class OptimConfig:
     zclip_alpha: float = 0.97
     autoclip_percentile: float = 10.0
 
+    def resolved(self, max_steps: int) -> OptimConfig:
+        """Copy with warmup_steps filled in from warmup_share of ``max_steps`` where not given."""
+        out = dataclasses.replace(self)
+        if out.warmup_steps is None:
+            out.warmup_steps = int(round(self.warmup_share * max_steps))
+        return out
+
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_share < 1.0:
+            raise ConfigError(f"optim.warmup_share must be in [0, 1), got {self.warmup_share}")
         _choice("optim.clip_mode", self.clip_mode, CLIP_MODES)
         if self.clip_grad <= 0:
             raise ConfigError(f"optim.clip_grad must be > 0, got {self.clip_grad}")
@@ -199,6 +268,9 @@ class TrainConfig:
     stop_at: int | None = None  # stop early at this step (with a checkpoint), schedule unchanged; --resume goes on
     mixed_precision: str = "no"
     grad_accum: int = 1
+    # Unit of the logged losses (metrics.jsonl, TensorBoard, evaluation): `bits` divides every loss by ln 2,
+    # as fairseq logs them (the study's figures); `nats` logs them as computed. The objective is the same.
+    loss_unit: str = "bits"
     # Speed and memory (results unchanged up to float rounding): torch.compile of the frontend and the
     # encoder, in place (state-dict names unchanged; the first step compiles, ~20 s for tiny on CPU), and
     # recomputing each encoder layer in the backward pass (less activation memory, ~1/3 more compute).
@@ -210,6 +282,14 @@ class TrainConfig:
     keep_every: int = 0  # ... and every one at a multiple of this step, never pruned (0 = off)
     # Diagnostics: per-layer max attention logit and gradient norm every N steps (0 = off).
     diagnostics_every: int = 0
+    # Held-out evaluation every N steps and at train.max_steps (0 = off), as `musiclm-stab evaluate` does it
+    # (centre crops, no mixup, fixed-seed masks, dropout off), on the first eval_batches batches of 8 crops
+    # (0 = all); its eval/* metrics join that step's metrics.jsonl row and the trackers.
+    eval_every: int = 0
+    eval_batches: int = 0
+    # accelerate trackers (log_with) that get every metrics.jsonl row: TensorBoard, or e.g. wandb, mlflow
+    # when installed; "all": every installed one; []: none. metrics.jsonl is written either way.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     # Loss-spike guard (off by default): roll back to the newest checkpoint and skip the offending batches.
     spike_guard: bool = False
     spike_window: int = 50
@@ -220,6 +300,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _choice("train.loss_unit", self.loss_unit, LOSS_UNITS)
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
         for name in ("grad_accum", "log_every", "checkpoint_every", "keep_checkpoints", "spike_window"):
@@ -230,6 +311,14 @@ class TrainConfig:
                               f"of train.log_every={self.log_every}")
         if self.keep_every < 0:
             raise ConfigError(f"train.keep_every must be >= 0 (0 = off), got {self.keep_every}")
+        if self.eval_every < 0 or (self.eval_every and self.eval_every % self.log_every):
+            # the eval/* metrics join the row of their step, so that step must write one
+            raise ConfigError(f"train.eval_every={self.eval_every} must be 0 (off) or a multiple "
+                              f"of train.log_every={self.log_every}")
+        if self.eval_batches < 0:
+            raise ConfigError(f"train.eval_batches must be >= 0 (0 = all), got {self.eval_batches}")
+        for tracker in self.trackers:
+            _choice("train.trackers", tracker, TRACKERS)
         if self.stop_at is not None and self.stop_at < 1:
             raise ConfigError(f"train.stop_at must be >= 1, got {self.stop_at}")
 
@@ -244,17 +333,37 @@ class Config:
     def validate(self) -> Config:
         for section in (self.data, self.model, self.optim, self.train):
             section.validate()
+        data = self.data.resolved(self.model.size)  # per-size values are checked once filled in
+        if not 0 < data.mixup_min_seconds <= data.mixup_max_seconds:
+            raise ConfigError("data.mixup_min_seconds must be > 0 and <= data.mixup_max_seconds")
         return self
+
+    def resolved(self) -> Config:
+        """Copy with every per-size value and the warmup filled in (see the module docstring)."""
+        return Config(data=self.data.resolved(self.model.size), model=self.model.resolved(),
+                      optim=self.optim.resolved(self.train.max_steps), train=dataclasses.replace(self.train))
 
     @property
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / self.train.name
 
+    @property
+    def data_order_seed(self) -> int:
+        """The seed of the data order: ``data.order_seed``, or ``train.seed`` when it is None."""
+        return self.train.seed if self.data.order_seed is None else self.data.order_seed
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (tuples as lists) with the model size resolved, ready for YAML."""
-        out = dataclasses.asdict(self)
-        out["model"] = dataclasses.asdict(self.model.resolved())
-        return _lists(out)
+        """Plain dict (tuples as lists) of the resolved config, ready for YAML."""
+        return _lists(dataclasses.asdict(self.resolved()))
+
+
+def _fill(section: Any, defaults: dict[str, Any]) -> Any:
+    """Copy of a config section with the None fields named in ``defaults`` set to their default."""
+    out = dataclasses.replace(section)
+    for name, value in defaults.items():
+        if getattr(out, name) is None:
+            setattr(out, name, value)
+    return out
 
 
 def _lists(obj: Any) -> Any:
@@ -281,7 +390,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is list:  # YAML list, or "[a, b]" on the command line
         if isinstance(value, str):
             value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not value:
+        if not isinstance(value, (list, tuple)) or (not value and key not in EMPTY_LIST_OK):
             raise ConfigError(f"{key} must be a non-empty list, got {value!r}")
         return [_coerce(key, v, args[0]) for v in value]
     if origin is tuple:
@@ -331,7 +440,7 @@ def load_config(path: str | Path | list[str | Path] | tuple | None = None, overr
                 ) -> Config:
     """Read a recipe YAML, or several layered in order (a recipe, then overlays such as
     recipes/overlays/tiny.yaml: a later file sets what it names, the rest stays), apply ``section.key=value``
-    overrides, validate.
+    overrides, validate, and fill in the per-size values (``Config.resolved``).
 
     Raises ConfigError naming the offending setting and the valid choices.
     """
@@ -354,7 +463,7 @@ def load_config(path: str | Path | list[str | Path] | tuple | None = None, overr
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, value = item.split("=", 1)
         _set(cfg, key, value)  # raw text: _coerce converts it by the field's type ("no" stays a string)
-    return cfg.validate()
+    return cfg.validate().resolved()
 
 
 def save_config(cfg: Config, path: str | Path, comment: str = "") -> None:
@@ -364,8 +473,13 @@ def save_config(cfg: Config, path: str | Path, comment: str = "") -> None:
 
 
 def config_from_run(run_dir: str | Path) -> Config:
-    """The resolved config of an existing run directory."""
+    """The resolved config of an existing run directory. Settings added after the run was made, and so
+    absent from its config.yaml, read back as the run had them (``SETTINGS_BEFORE_THEY_EXISTED``)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a run directory: {path.name} is missing")
-    return load_config(path)
+    saved = yaml.safe_load(path.read_text()) or {}
+    missing = [f"{section}.{key}={value}" for section, values in SETTINGS_BEFORE_THEY_EXISTED.items()
+               for key, value in values.items()
+               if isinstance(saved.get(section), dict) and key not in saved[section]]
+    return load_config(path, missing)

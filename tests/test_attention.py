@@ -1,7 +1,9 @@
 """Attention forms: sdpa / math / relax agree in fp32; in fp16 math overflows where relax does not.
 
-fp16 matmul and softmax run on the CPU in this torch (2.14.1), as does ``torch.autocast("cpu",
-dtype=torch.float16)``, so the fp16 behaviour is tested here on CPU tensors.
+``math`` is the reference's arithmetic (fairseq: q scaled by 1/sqrt(d) before Q K^T), so it overflows fp16
+once a *logit* passes 65504; the inputs here are sized for that. fp16 matmul and softmax run on the CPU in
+this torch (2.14.1), as does ``torch.autocast("cpu", dtype=torch.float16)``, so the fp16 behaviour is
+tested here on CPU tensors.
 """
 
 import math
@@ -21,20 +23,22 @@ def _qkv(B=2, H=3, T=11, d=16, scale=1.0, seed=0):
     return tuple(scale * torch.randn(B, H, T, d, generator=g) for _ in range(3))
 
 
-def _relax_dividing_after_matmul(q, k, alpha=32.0):
-    """The wrong order (the public implementation's): raw q.k first, divided afterwards."""
-    logits = (q @ k.transpose(-2, -1)) / (alpha * math.sqrt(q.shape[-1]))
-    logits = (logits - logits.amax(dim=-1, keepdim=True)).float() * alpha
-    return torch.softmax(logits, dim=-1)
+def _mert_relax(q, k, alpha=32.0):
+    """MERT's relax branch (mert_model.py 1928-1945, never run in training), written out: the logits
+    a = (q * d^-1/2) K^T formed first in the compute dtype, then (a / alpha - rowmax(a / alpha)) * alpha,
+    then an fp32 softmax."""
+    a = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    relaxed = a / alpha
+    return torch.softmax(((relaxed - relaxed.amax(dim=-1, keepdim=True)) * alpha).float(), dim=-1)
 
 
-def _sign_inputs(seed=0):
-    """q, k, v in fp16 whose relax arithmetic is exact, with raw q.k far past the fp16 maximum.
+def _sign_inputs(seed=0, q_scale=128, k_scale=80):
+    """q, k, v in fp16 whose relax arithmetic is exact, with logits q.k / sqrt(d) past the fp16 maximum.
 
-    d = 64, alpha = 32, so alpha*sqrt(d) = 256. q = 32 * signs, k = 40 * signs (duplicated keys give
-    ties): q.k = 1280 * m with m an even integer in [-64, 64], up to 81920 > 65504. In relax,
-    q / 256 = 0.125 * signs and (q / 256).k = 5 * m, small integers: exact in fp16. Logit gaps
-    between distinct m are >= 2 * 1280 / 8 = 320, so every row is uniform over its tied keys.
+    d = 64, alpha = 32, so alpha*sqrt(d) = 256. q = 128 * signs, k = 80 * signs (duplicated keys give
+    ties): q.k = 10240 * m with m an even integer in [-64, 64], so logits q.k / 8 = 1280 * m reach 81920 >
+    65504. In relax, q / 256 = 0.5 * signs and (q / 256).k = 40 * m, integers up to 2560: exact in fp16.
+    Logit gaps between distinct m are >= 2 * 1280 = 2560, so every row is uniform over its tied keys.
     """
     g = torch.Generator().manual_seed(seed)
     d, T = 64, 12
@@ -45,8 +49,8 @@ def _sign_inputs(seed=0):
     patterns = signs(5)
     keys = patterns[torch.tensor([0, 0, 0, 0, 1, 1, 2, 3, 4, 4, 4, 0])]  # groups of 5, 2, 1, 1, 3
     queries = torch.cat([patterns, -patterns[:2], signs(T - 7)])  # own pattern, opposite, random
-    q = (32 * queries).view(1, 1, T, d).half()
-    k = (40 * keys).view(1, 1, T, d).half()
+    q = (q_scale * queries).view(1, 1, T, d).half()
+    k = (k_scale * keys).view(1, 1, T, d).half()
     v = torch.randn(1, 1, T, d, generator=g).half()
     return q, k, v
 
@@ -84,15 +88,15 @@ def test_self_attention_modules_agree_across_forms(qk_norm):
 
 
 def test_fp16_large_logits_math_overflows_relax_matches_fp32():
-    """fp16, raw q.k > 65504: math gives inf/NaN, relax is finite and equals the fp32 reference."""
+    """fp16, logits q.k / sqrt(d) > 65504: math gives inf/NaN, relax is finite and equals the fp32 reference."""
     # Tolerance: the inputs make relax's logits exact (see _sign_inputs), so the only errors left are
     # the fp16 rounding of the probabilities (1/3, 1/5: relative 2^-11) and of the output of probs @ v
     # (relative 2^-11, |v| < 5): rtol 2e-3 and atol 2e-3 are about four times those bounds.
     q, k, v = _sign_inputs()
-    raw = q @ k.transpose(-2, -1)  # fp16 matmul
-    assert torch.isinf(raw).any()  # the raw product overflows fp16 ...
+    logits = (q * 0.125) @ k.transpose(-2, -1)  # fp16 matmul of the pre-scaled q, as math forms it
+    assert torch.isinf(logits).any()  # the logits overflow fp16 ...
     relaxed = (q / 256.0) @ k.transpose(-2, -1)
-    assert torch.isfinite(relaxed).all() and relaxed.abs().max() <= 320  # ... the divided one does not
+    assert torch.isfinite(relaxed).all() and relaxed.abs().max() <= 2560  # ... relax's product does not
     ref = attend(q.float(), k.float(), v.float(), "math")  # fp32 reference on the same values
     assert torch.isfinite(ref).all()
 
@@ -107,19 +111,33 @@ def test_fp16_large_logits_math_overflows_relax_matches_fp32():
     assert {round(float(p), 3) for p in probs.amax(-1).flatten()} >= {1.0, 0.5, 0.333, 0.2}
 
 
+def test_math_scales_q_before_the_matmul():
+    """math forms the logits as the reference does, (q / sqrt(d)) K^T: in fp16 it is finite and equals the
+    fp32 reference while the raw q.k (160k) is past 65504, where dividing after the matmul gives NaN."""
+    # q = 64 * signs, k = 40 * signs: raw q.k = 2560 * m up to 163840 (overflows), logits 320 * m up to
+    # 20480 (fit, exact: (q / 8) = 8 * signs). Tolerance as in the test above (exact logits, fp16 output).
+    q, k, v = _sign_inputs(q_scale=64, k_scale=40)
+    assert torch.isinf(q @ k.transpose(-2, -1)).any()
+    divided_after = torch.softmax(((q @ k.transpose(-2, -1)) / 8).float(), dim=-1)
+    assert torch.isnan(divided_after).any()
+    out = attend(q, k, v, "math")
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), attend(q.float(), k.float(), v.float(), "math"), rtol=2e-3, atol=2e-3)
+
+
 def test_fp16_random_large_logits_relax_matches_fp32():
-    """fp16 self-attention with keys near queries (|q|^2 ~ 1e5): math NaN, relax = fp32 reference."""
-    # Tolerance: the diagonal logit exceeds every other by > 100 (checked below), far above relax's fp16
-    # logit resolution (alpha * ulp(400) = 32 * 0.25 = 8), so both put all mass on the diagonal and
-    # relax's output is v after one fp16 rounding (2^-11 relative): rtol 1e-3, atol 1e-3 (|v| < 5).
+    """fp16 self-attention with keys near queries (logits ~ 1e5): math NaN, relax = fp32 reference."""
+    # Tolerance: the diagonal logit exceeds every other by > 5000 (checked below), far above relax's fp16
+    # logit resolution (alpha * ulp(relax's product < 8192) <= 32 * 4 = 128), so both put all mass on the
+    # diagonal and relax's output is v after one fp16 rounding (2^-11 relative): rtol 1e-3, atol 1e-3.
     g = torch.Generator().manual_seed(1)
-    q = (40 * torch.randn(2, 2, 16, 64, generator=g)).half()
+    q = (120 * torch.randn(2, 2, 16, 64, generator=g)).half()
     k = (q.float() + torch.randn(q.shape, generator=g)).half()
     v = torch.randn(q.shape, generator=g).half()
     logits = q.double() @ k.double().transpose(-2, -1) / 8
-    assert logits.max() * 8 > FP16_MAX
+    assert logits.max() > FP16_MAX and logits.max() / 32 < 8192  # math overflows; relax's product fits
     top2 = logits.topk(2, dim=-1).values
-    assert (top2[..., 0] - top2[..., 1]).min() > 100
+    assert (top2[..., 0] - top2[..., 1]).min() > 5000
     ref = attend(q.float(), k.float(), v.float(), "math")
     assert torch.isnan(attend(q, k, v, "math")).any()
     out = attend(q, k, v, "relax")
@@ -128,9 +146,9 @@ def test_fp16_random_large_logits_relax_matches_fp32():
 
 
 def test_relax_divides_before_matmul():
-    """relax is finite where dividing *after* the fp16 matmul (same inputs) is already NaN."""
+    """relax is finite where MERT's relax branch (dividing by alpha *after* the fp16 matmul) is NaN."""
     q, k, _ = _sign_inputs()
-    assert torch.isnan(_relax_dividing_after_matmul(q, k)).any()  # the inputs tell the orders apart
+    assert torch.isnan(_mert_relax(q, k)).any()  # the inputs tell the orders apart
     probs = attention_probs(q, k, "relax")
     assert torch.isfinite(probs).all()
     torch.testing.assert_close(probs.float().sum(-1), torch.ones(1, 1, 12), rtol=2e-3, atol=2e-3)
@@ -138,14 +156,15 @@ def test_relax_divides_before_matmul():
 
 @pytest.mark.parametrize("form, finite", [("math", False), ("relax", True)])
 def test_fp16_autocast_module(form, finite):
-    """Under fp16 autocast a SelfAttention with huge q.k: math turns NaN, relax matches fp32."""
-    # q_proj = k_proj = 40 * I, v_proj = out_proj = I: q.k = 1600 |x|^2 ~ 1e5 on the diagonal. The fp32
-    # module puts all mass on the diagonal (output = x). Tolerance: relax in fp16 rounds x through three
-    # fp16 casts (input, v_proj, out_proj), each 2^-11 relative: rtol 5e-3, atol 5e-3 (|x| < 4).
+    """Under fp16 autocast a SelfAttention with huge logits: math turns NaN, relax matches fp32."""
+    # q_proj = k_proj = 160 * I, v_proj = out_proj = I: logits q.k / 8 = 3200 |x|^2 ~ 2e5 on the diagonal
+    # (|x|^2 ~ 64; > 65504 needs only |x|^2 > 21). The fp32 module puts all mass on the diagonal (output =
+    # x). Tolerance: relax in fp16 rounds x through three fp16 casts (input, v_proj, out_proj), each 2^-11
+    # relative: rtol 5e-3, atol 5e-3 (|x| < 4).
     torch.manual_seed(0)
     attn = SelfAttention(64, 1, form=form)
     with torch.no_grad():
-        for proj, gain in ((attn.q_proj, 40.0), (attn.k_proj, 40.0), (attn.v_proj, 1.0), (attn.out_proj, 1.0)):
+        for proj, gain in ((attn.q_proj, 160.0), (attn.k_proj, 160.0), (attn.v_proj, 1.0), (attn.out_proj, 1.0)):
             proj.weight.copy_(gain * torch.eye(64))
             proj.bias.zero_()
     x = torch.randn(2, 10, 64)

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from musiclm_stab.config import ConfigError, config_from_run, load_config, save_config
 
@@ -59,6 +60,13 @@ BAD_SETTINGS = [
     ("--data.mixup_min_seconds=2", "data.mixup_min_seconds must be > 0 and <= data.mixup_max_seconds"),
     ("--data.path=[]", "data.path must be a non-empty list, got []"),
     ("--data.shuffle_buffer=-1", "data.shuffle_buffer must be >= 0 (0 = stream order), got -1"),
+    ("--model.init=kaiming", "model.init='kaiming' is not valid; choose one of: mert, xavier"),
+    ("--data.mixup_mode=loud", "data.mixup_mode='loud' is not valid; choose one of: mert, rms"),
+    ("--train.loss_unit=dB", "train.loss_unit='dB' is not valid; choose one of: bits, nats"),
+    ("--optim.warmup_share=1", "optim.warmup_share must be in [0, 1), got 1.0"),
+    ("--train.eval_every=3 --train.log_every=2", "train.eval_every=3 must be 0 (off) or a multiple of train.log_every=2"),
+    ("--train.eval_batches=-1", "train.eval_batches must be >= 0 (0 = all), got -1"),
+    ("--train.trackers=[tb]", "train.trackers='tb' is not valid; choose one of: all, tensorboard"),
 ]
 
 
@@ -111,3 +119,57 @@ def test_bad_data_path_is_a_clear_error_before_any_work(tmp_path, capsys, make):
     assert err.startswith(f"error: data.path: {data}") or err.startswith(f"error: data.path: tokenized dataset {data}")
     assert ("does not exist" if make == "missing" else "is not a tokenized dataset") in err
     assert not (tmp_path / "runs").exists()
+
+
+# size -> (norm_scheme, dropout, attention_dropout, feature_dropout, layerdrop, feature_grad_mult, final_dim,
+#          mixup seconds): MERT-95M (config/pretrain/MERT_RVQ-VAE_CQT_95M.yaml) and MERT-330M (..._330M.yaml)
+SIZE_TABLE = {
+    "tiny": ("pre", 0.1, 0.1, 0.1, 0.0, 0.1, 64, (0.5, 1.5)),
+    "base": ("post", 0.1, 0.1, 0.1, 0.05, 0.1, 64, (0.5, 1.0)),
+    "large": ("pre", 0.0, 0.0, 0.0, 0.0, 1.0, 128, (0.5, 1.5)),
+}
+
+
+@pytest.mark.parametrize("size", SIZE_TABLE)
+def test_per_size_defaults(size, tmp_path):
+    """Each size fills in its own defaults (base: MERT-95M's, large: MERT-330M's), MERT's init, masking,
+    mixup form, bits, the warmup as 8% of max_steps; config.yaml records the resolved values."""
+    cfg = load_config(None, [f"--model.size={size}", "--train.max_steps=400000"])
+    m = cfg.model
+    got = (m.norm_scheme, m.dropout, m.attention_dropout, m.feature_dropout, m.layerdrop, m.feature_grad_mult,
+           m.final_dim, (cfg.data.mixup_min_seconds, cfg.data.mixup_max_seconds))
+    assert got == SIZE_TABLE[size]
+    assert (m.init, m.require_same_masks, cfg.data.mixup_mode, cfg.train.loss_unit) == ("mert", True, "mert", "bits")
+    assert cfg.optim.warmup_steps == 32000  # MERT's 32k of 400k updates
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["model"]["final_dim"] == SIZE_TABLE[size][6] and saved["optim"]["warmup_steps"] == 32000
+    assert saved["data"]["mixup_max_seconds"] == SIZE_TABLE[size][7][1]
+
+
+def test_explicit_values_win_over_the_size():
+    """A value given on the command line or in an overlay wins over the size's; the rest follow the size,
+    also when an overlay changes the size (the per-size fields are filled in after all layers)."""
+    cfg = load_config(None, ["--model.size=large", "--model.dropout=0.2", "--optim.warmup_steps=5",
+                             "--data.mixup_max_seconds=2.0"])
+    assert (cfg.model.dropout, cfg.model.attention_dropout, cfg.model.final_dim) == (0.2, 0.0, 128)
+    assert cfg.optim.warmup_steps == 5 and cfg.data.mixup_max_seconds == 2.0
+    twin = load_config(["recipes/study_prenorm_clip10_run1.yaml", "recipes/overlays/tiny.yaml"])
+    assert (twin.model.size, twin.model.dropout, twin.model.feature_grad_mult, twin.model.final_dim) == (
+        "tiny", 0.1, 0.1, 64)
+
+
+def test_run_made_before_the_fidelity_settings_reads_back_as_it_ran(tmp_path):
+    """A config.yaml written before model.init, model.require_same_masks, data.mixup_mode and
+    train.loss_unit existed reads back with the values that run had: xavier, no trim, rms mixup, nats."""
+    cfg = load_config("recipes/tiny.yaml")
+    save_config(cfg, tmp_path / "config.yaml")
+    old = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    for section, key in (("model", "init"), ("model", "require_same_masks"), ("data", "mixup_mode"),
+                         ("train", "loss_unit"), ("optim", "warmup_share")):
+        del old[section][key]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    back = config_from_run(tmp_path)
+    assert (back.model.init, back.model.require_same_masks, back.data.mixup_mode, back.train.loss_unit) == (
+        "xavier", False, "rms", "nats")
+    assert back.optim.warmup_steps == cfg.optim.warmup_steps  # the explicit count, as written

@@ -15,7 +15,7 @@ from musiclm_stab.data import (
     noise_mixup,
     split_indices,
 )
-from musiclm_stab.tokenize import load_tokenized
+from musiclm_stab.data.tokenized import load_tokenized
 
 
 @pytest.fixture(scope="module")
@@ -74,26 +74,59 @@ def test_sampler_permutation_per_epoch():
     assert list(s) != e0
 
 
-def test_mixup_changes_input_only():
+@pytest.mark.parametrize("mode", ["mert", "rms"])
+def test_mixup_changes_input_only(mode):
     """Mixup adds segments of other clips to the input; the clean crop (targets) is untouched."""
     g = torch.Generator().manual_seed(0)
     clean = torch.randn(4, 24000 * 3, generator=g)
     before = clean.clone()
-    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0), np.random.default_rng(0))
+    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0, mixup_mode=mode).resolved("tiny"), np.random.default_rng(0))
     assert torch.equal(clean, before)
     changed = (mixed != clean).float().mean(-1)
     assert torch.all(changed > 0.1) and torch.all(changed < 1.0)  # 0.5-1.5 s segments of 3 s clips
-    none = noise_mixup(clean, DataConfig(mixup_prob=0.0), np.random.default_rng(0))
+    none = noise_mixup(clean, DataConfig(mixup_prob=0.0, mixup_mode=mode).resolved("tiny"), np.random.default_rng(0))
     assert torch.equal(none, clean)
 
 
-def test_mixup_segments_come_from_other_clips():
-    """With constant clips, each mixed clip gains only other clips' values (never its own)."""
+def test_rms_mixup_segments_come_from_other_clips():
+    """mixup_mode=rms: with constant clips, each mixed clip gains only other clips' values scaled to its RMS."""
     clean = torch.stack([torch.full((24000 * 3,), float(v)) for v in (1.0, 2.0)])
-    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0, mixup_gain_db=(0.0, 0.0)), np.random.default_rng(1))
+    cfg = DataConfig(mixup_prob=1.0, mixup_mode="rms", mixup_gain_db=(0.0, 0.0)).resolved("tiny")
+    mixed = noise_mixup(clean, cfg, np.random.default_rng(1))
     # gain 0 dB relative to the clip's RMS: a segment from clip j, scaled to clip i's level, adds clip i's level
     assert set(torch.unique(mixed[0]).tolist()) <= {1.0, 2.0, 3.0, 4.0}
     assert (mixed[0] > 1.0).any()
+
+
+def test_mert_mixup_is_the_default_and_adds_raw_audio():
+    """The default mixup is MERT's: with constant clips 1 and 2, clip 0 gains clip 1's samples as they are
+    (volume 1.0, no level matching): 1 + 2k for k overlapping segments, never 1 + 1."""
+    assert DataConfig().mixup_mode == "mert"
+    clean = torch.stack([torch.full((24000 * 3,), float(v)) for v in (1.0, 2.0)])
+    mixed = noise_mixup(clean, DataConfig(mixup_prob=1.0).resolved("tiny"), np.random.default_rng(1))
+    assert set(torch.unique(mixed[0]).tolist()) <= {1.0, 3.0, 5.0, 7.0} and (mixed[0] > 1.0).any()
+    assert set(torch.unique(mixed[1]).tolist()) <= {2.0, 3.0, 4.0, 5.0} and (mixed[1] > 2.0).any()
+
+
+def test_mert_mixup_segments_are_pool_slices_that_may_span_two_clips():
+    """mert mixup: each added segment is exactly a slice of the other clips joined end to end (the input
+    only), of a whole number of samples in [min, max]; some slices straddle the boundary of two clips."""
+    B, S = 3, 24000  # 1 s clips; segments 0.25-0.5 s, one per clip
+    clean = (torch.arange(B * S, dtype=torch.float32) + 1).view(B, S)  # every sample value unique, exact
+    cfg = DataConfig(mixup_prob=1.0, mixup_max_segments=1, mixup_min_seconds=0.25, mixup_max_seconds=0.5)
+    straddling = 0
+    for seed in range(20):
+        mixed = noise_mixup(clean, cfg, np.random.default_rng(seed))
+        for i in range(B):
+            pool = torch.cat([clean[:i], clean[i + 1:]]).flatten()
+            diff = mixed[i] - clean[i]
+            where = diff.nonzero().flatten()
+            dst, length = int(where[0]), len(where)
+            assert int(where[-1]) - dst + 1 == length and 6000 <= length <= 12000  # one contiguous segment
+            src = int((pool == diff[dst]).nonzero())  # its start in the pool (values are unique)
+            assert torch.equal(diff[dst:dst + length], pool[src:src + length])  # added as is
+            straddling += src < S < src + length
+    assert straddling > 0  # ~1/5 of the segments: starts within a segment's length of the boundary
 
 
 def test_collator_batches_are_seeded(hf):

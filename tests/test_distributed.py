@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,9 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
               f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}",
               f"--data.batch_size={4 // procs}", "--data.crop_seconds=2.0", "--data.eval_fraction=0.3",
               "--data.mixup_prob=0",  # mixup mixes clips of the local batch: it depends on the split
+              # The trim to one masked count per batch (fairseq's require_same_masks) is per local batch too,
+              # as in fairseq, where each GPU masks its own batch: 2 x 2 trims differently from 1 x 4.
+              "--model.require_same_masks=false",
               "--model.dropout=0", "--model.attention_dropout=0", "--model.feature_dropout=0",
               "--optim.warmup_steps=1", "--train.max_steps=4", "--train.checkpoint_every=2", *extra]
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
@@ -65,3 +69,11 @@ def test_torchrun_without_a_distributed_setup_is_refused(tokenized_dataset, tmp_
     out = launch(tokenized_dataset, tmp_path, "two", 2, rc=1, use_cpu=False)
     assert "launched as 2 processes (WORLD_SIZE) but accelerate set up 1" in out and "ACCELERATE_USE_CPU=1" in out
     assert not (tmp_path / "two" / "metrics.jsonl").exists()
+
+
+def test_layerdrop_trains_under_ddp(tokenized_dataset, tmp_path):
+    """With layerdrop (MERT-95M's 0.05, the base size's default) a step may skip layers whose parameters
+    then get no gradient: 2 gloo processes still train (DDP looks for unused parameters), finite losses."""
+    launch(tokenized_dataset, tmp_path, "layerdrop", 2, "--model.layerdrop=0.5", "--train.max_steps=3")
+    rows = last_rows(tmp_path / "layerdrop")
+    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows.values())

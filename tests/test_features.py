@@ -24,8 +24,10 @@ from musiclm_stab.model import MusicMLM
 TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32)
 SR = 24_000
 # The documented bound for the test model (tiny, perturbed random weights: diffuse attention) on 24 s of
-# music with 8 s windows overlapping by 4 s; measured worst over 3 clips x 3 schemes: rel 0.061, cos 0.992.
-BOUND_REL, BOUND_COS = 0.1, 0.99
+# music with 8 s windows overlapping by 4 s; measured worst over 3 clips x 3 schemes: rel 0.061, cos 0.992
+# (the same to 1e-7 under ATEN_CPU_CAPABILITY=default and avx2). Margins: rel 0.1 is 1.6x the worst, and
+# 1 - cos 0.02 is 2.6x the worst 0.0078.
+BOUND_REL, BOUND_COS = 0.1, 0.98
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,5 +1,7 @@
 """The dual-stream model: sizes, frame alignment, losses on masked frames only, per-codebook losses."""
 
+import math
+
 import pytest
 import torch
 
@@ -25,11 +27,14 @@ def _encoder_params(model):
     return count_parameters(model) - count_parameters(model.acoustic) - count_parameters(model.musical)
 
 
-@pytest.mark.parametrize("size, lo, hi", [("base", 94e6, 96e6), ("large", 310e6, 335e6)])
-def test_parameter_counts(size, lo, hi):
-    """base is ~95M and large ~330M parameters (encoder without heads, as HuBERT/MERT count them)."""
+@pytest.mark.parametrize("size, final_dim, encoder, total", [("base", 64, 94_371_712, 95_548_112),
+                                                              ("large", 128, 315_428_992, 317_871_568)])
+def test_parameter_counts(size, final_dim, encoder, total):
+    """base is MERT-95M's size (95.5M parameters with its heads: final_dim 64, 336 CQT bins) and large
+    MERT-330M's (317.9M with final_dim 128; 315.4M without heads, as HuBERT counts an encoder)."""
     model = MusicMLM(ModelConfig(size=size))
-    assert lo < _encoder_params(model) < hi
+    assert model.cfg.final_dim == final_dim and model.cfg.cqt_bins == 336
+    assert (_encoder_params(model), count_parameters(model)) == (encoder, total)
 
 
 @pytest.mark.parametrize("T", [1, 7, 375])
@@ -152,9 +157,12 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_compiled_frontend_and_encoder_match_eager():
+def test_compiled_frontend_and_encoder_match_eager(monkeypatch):
     """train.compile: frontend and encoder compiled in place keep their parameter names and give the
     eager loss and gradients up to float rounding (dropout off: compiled kernels draw their own masks)."""
+    # Inductor's FX graph cache key leaves out the ISA chosen by ATEN_CPU_CAPABILITY: a kernel cached by
+    # an avx2 run fails to compile under =default. Compile afresh so the test holds on any capability.
+    monkeypatch.setattr("torch._inductor.config.fx_graph_cache", False)
     torch.manual_seed(0)
     cfg = ModelConfig(size="tiny", dropout=0.0, attention_dropout=0.0, feature_dropout=0.0)
     eager = MusicMLM(cfg).train()
@@ -169,3 +177,23 @@ def test_compiled_frontend_and_encoder_match_eager():
     torch.testing.assert_close(loss_c, loss, rtol=1e-4, atol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_metrics_in_bits_and_nats():
+    """MLMOutput.metrics: in bits every loss (total, acoustic and per codebook, musical, features penalty) is
+    the nats value / ln 2, as fairseq logs losses; accuracy and mask share are unchanged; the features
+    penalty is unweighted, so loss = acoustic + musical_weight * musical + 10 * features_pen in either unit."""
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(**TINY)).eval()
+    out = model(*_batch())
+    bits, nats = out.metrics("bits"), out.metrics("nats")
+    assert bits.keys() == nats.keys()
+    for name in bits:
+        factor = 1 / math.log(2) if name.split("/")[0] in ("loss", "acoustic_mlm_loss", "musical_mlm_loss",
+                                                           "features_pen") else 1.0
+        torch.testing.assert_close(bits[name], nats[name] * factor, msg=name)
+    for m in (bits, nats):
+        torch.testing.assert_close(m["loss"], m["acoustic_mlm_loss"] + m["musical_mlm_loss"] + 10 * m["features_pen"])
+    assert float(nats["features_pen"]) == float(out.features_pen.detach())  # unweighted
+    with pytest.raises(ValueError, match="choose one of: bits, nats"):
+        out.metrics("dB")

@@ -5,6 +5,7 @@ compare the layer output with the scheme's formula written out here, with the af
 norm randomised so that swapping two norms would show.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -256,11 +257,12 @@ def _pooled_std_ratio(enc, name, n_layers, seed):
 @pytest.mark.parametrize("scheme, n", [("deepnorm", 12), ("deepnorm", 24), ("subln", 12), ("pre", 12),
                                        ("post", 12), ("sandwich", 12)])
 def test_init_scales_exactly_the_right_weights(scheme, n):
-    """fc1, fc2, out_proj, v_proj of every layer get gain beta (deepnorm) / sqrt(log 2N) (subln); q, k never."""
+    """Under model.init=xavier, fc1, fc2, out_proj, v_proj of every layer get gain beta (deepnorm) /
+    sqrt(log 2N) (subln); q, k never. (MERT's init, the default: tests/test_fidelity_init.py.)"""
     # Checked twice: the names in Encoder.scaled_at_init, and the weights' std against an unscaled xavier
     # init of the same shapes (pooled over layers: >= 49k values each, std error < 0.5%, tolerance 3%).
     torch.manual_seed(0)
-    enc = Encoder(_layer_cfg(scheme, num_layers=n, width=64))
+    enc = Encoder(dataclasses.replace(_layer_cfg(scheme, num_layers=n, width=64), init="xavier"))
     gain = {"deepnorm": (8 * n) ** -0.25, "subln": math.sqrt(math.log(2 * n))}.get(scheme, 1.0)
     expected = {f"{i}.{name}.weight" for i in range(n) for name in SCALED} if gain != 1.0 else set()
     assert set(enc.scaled_at_init) == expected

@@ -40,19 +40,28 @@ def test_study_recipe_set_is_complete():
 
 @pytest.mark.parametrize("stem", STUDY)
 def test_study_recipe_resolves_to_intended_run(stem):
-    """Large size, fp16, the intended scheme / attention form / clip / run, reference hyperparameters."""
+    """MERT-330M's settings (config/pretrain/MERT_RVQ-VAE_CQT_330M.yaml, docs/FIDELITY.md) except the
+    scheme / attention form / clip the run varies: large size, fp16, MERT's dropouts, feature_grad_mult,
+    final_dim, init, masking, mixup, CQT, loss weights, optimizer, warmup share, crop, bits."""
     label, scheme, attention, clip, run = STUDY[stem]
     cfg = load_config(RECIPES / f"{stem}.yaml")
-    m = cfg.model.resolved()
-    assert (m.size, m.num_layers, m.width, m.ffn_dim, m.num_heads) == ("large", 24, 1024, 4096, 16)
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    assert (m.size, m.num_layers, m.width, m.ffn_dim, m.num_heads, m.conv_dim) == ("large", 24, 1024, 4096, 16, 512)
     assert (m.norm_scheme, m.attention, m.norm_type, m.qk_norm) == (scheme, attention, "layernorm", False)
-    assert m.relax_alpha == 32.0
+    assert m.relax_alpha == 32.0  # attention_relax: 32.0
+    assert (m.dropout, m.attention_dropout, m.activation_dropout, m.feature_dropout, m.layerdrop) == (0, 0, 0, 0, 0)
+    assert (m.feature_grad_mult, m.final_dim, m.logit_temp, m.init) == (1.0, 128, 0.1, "mert")
+    assert (m.mask_prob, m.mask_length, m.require_same_masks) == (0.8, 5, True)
     assert (m.cqt_bins, m.cqt_bins_per_octave, m.cqt_fmin) == (336, 48, 32.7)
-    assert (cfg.optim.clip_mode, cfg.optim.clip_grad) == ("fixed", clip)
-    assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.eps, cfg.optim.weight_decay) == (1.5e-3, (0.9, 0.98), 1e-6, 0.01)
-    assert cfg.optim.warmup_steps < cfg.train.max_steps
-    assert (cfg.train.mixed_precision, cfg.train.run, cfg.train.name) == ("fp16", run, stem)
-    assert cfg.train.label is None  # the legend is derived, not typed in
+    assert (m.features_pen_weight, m.musical_weight) == (10.0, 1.0)  # loss_weights: [10, 1]
+    assert (d.mixup_mode, d.mixup_prob, d.mixup_max_segments) == ("mert", 0.5, 3)
+    assert (d.mixup_min_seconds, d.mixup_max_seconds) == (0.5, 1.5)  # [12000, 36000] samples
+    assert d.crop_seconds == 5.12  # max_sample_size 122880
+    assert (o.clip_mode, o.clip_grad) == ("fixed", clip)
+    assert (o.lr, o.betas, o.eps, o.weight_decay) == (1.5e-3, (0.9, 0.98), 1e-6, 0.01)
+    assert o.warmup_steps == round(0.08 * t.max_steps) == 8000  # MERT's 32k of 400k updates
+    assert (t.mixed_precision, t.run, t.name, t.loss_unit) == ("fp16", run, stem, "bits")
+    assert t.label is None  # the legend is derived, not typed in
 
 
 @pytest.mark.parametrize("stem", STUDY)
@@ -69,8 +78,8 @@ def test_tiny_twin_validates_and_runs(stem):
     in bf16."""
     label, scheme, attention, clip, run = STUDY[stem]
     cfg = load_config(_twin_command(RECIPES / f"{stem}.yaml"))
-    m = cfg.model.resolved()
-    assert (m.size, m.num_layers, m.width) == ("tiny", 2, 128)
+    m = cfg.model
+    assert (m.size, m.num_layers, m.width, m.final_dim, m.dropout) == ("tiny", 2, 128, 64, 0.1)
     assert (m.norm_scheme, m.attention, cfg.optim.clip_grad, cfg.train.run) == (scheme, attention, clip, run)
     assert cfg.train.mixed_precision == "bf16" and cfg.train.name == stem
     assert run_label(cfg.to_dict()) == label

@@ -2,10 +2,12 @@
 
     musiclm-stab evaluate RUN_DIR_OR_CHECKPOINT [--data TOKENIZED] [--split eval|train|all]
 
-Deterministic: centre crops, no noise mixup, span masks from a fixed seed, dropout off; two evaluations
-of one checkpoint agree exactly. Losses are averaged over masked frames of the whole split. Results are
-printed as a table and written to ``<run>/eval/step_<N>.json`` under the metric names of DESIGN.md with
-the ``eval/`` prefix.
+Deterministic: centre crops, no noise mixup, span masks from a fixed seed (trimmed to one count per batch
+when the run's ``model.require_same_masks`` is on, as in training), dropout off; two evaluations of one
+checkpoint agree exactly. Losses are averaged over masked frames of the whole split, in the run's
+``train.loss_unit`` (bits, or nats for runs made before the setting existed), which the results name
+under ``unit``. Results are printed as a table and written to ``<run>/eval/step_<N>.json`` under the
+metric names of DESIGN.md with the ``eval/`` prefix.
 """
 
 from __future__ import annotations
@@ -16,21 +18,20 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from musiclm_stab.config import ConfigError, config_from_run
-from musiclm_stab.data import Collator, CropDataset, split_indices
-from musiclm_stab.model.objective import objective
+from musiclm_stab.data import CropDataset, split_indices
+from musiclm_stab.data.loader import EVAL_BATCH_SIZE, EVAL_SEED, held_out_loader
 from musiclm_stab.training.checkpoint import STATE_FILE
+from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
 @torch.inference_mode()
-def evaluate(path: str | Path, data: str | list[str] | None = None, split: str = "eval", batch_size: int = 8,
-             seed: int = 1234, device: str = "cpu", write: bool = True) -> dict:
+def evaluate(path: str | Path, data: str | list[str] | None = None, split: str = "eval",
+             batch_size: int = EVAL_BATCH_SIZE, seed: int = EVAL_SEED, device: str = "cpu", write: bool = True) -> dict:
     """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys."""
-    from musiclm_stab.tokenize import check_same_tokenizer, load_tokenized
+    from musiclm_stab.data.tokenized import check_same_tokenizer, load_tokenized
 
     run_dir, ckpt = resolve_checkpoint(path)
     cfg = config_from_run(run_dir)
@@ -48,26 +49,13 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
         raise ConfigError(f"the {split!r} split of {data_path} has no segment of at least "
                           f"{cfg.data.crop_seconds} s (eval_fraction={cfg.data.eval_fraction}); try --split all")
     model = load_model(ckpt, cfg, device)
-    mcfg = cfg.model.resolved()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
-                        collate_fn=Collator(cfg.data, mcfg, seed=seed, mixup=False))
-    sums: dict[str, float] = {}  # metric * masked frames, over the split
-    frames = 0
-    for batch in tqdm(loader, desc="evaluate", leave=False):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        out = model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
-        n = int(batch["mask"].sum())  # losses are means over masked frames: weight them back
-        for name, value in out.metrics().items():
-            sums[name] = sums.get(name, 0.0) + float(value) * n
-        frames += n
-    means = {name: total / max(frames, 1) for name, total in sums.items() if name not in ("loss", "mask_fraction")}
-    means["loss"] = objective(means["acoustic_mlm_loss"], means["musical_mlm_loss"], means["features_pen"],
-                              mcfg.musical_weight, mcfg.features_pen_weight)
-    result = {f"eval/{name}": value for name, value in sorted(means.items())}
+    # The loop train.eval_every shares (training/held_out.py): losses averaged over masked frames.
+    result, frames = held_out_metrics(model, held_out_loader(cfg, dataset, batch_size, seed), cfg.model.resolved(),
+                                      cfg.train.loss_unit, device, progress=True)
     step = json.loads((ckpt / STATE_FILE).read_text())["step"]
     result.update({"step": step, "checkpoint": str(ckpt),
                    "data": [str(d) for d in data_path] if isinstance(data_path, list) else str(data_path),
-                   "split": split,
+                   "split": split, "unit": cfg.train.loss_unit,
                    "num_segments": len(dataset), "masked_frames": frames, "seed": seed})
     if write:
         out_dir = run_dir / "eval"
@@ -80,7 +68,7 @@ def format_table(result: dict) -> str:
     K = sum(1 for k in result if k.startswith("eval/acoustic_mlm_loss/cb"))
     lines = [f"evaluation of {result['checkpoint']} (step {result['step']}) on {result['split']} split of "
              f"{result['data']}: {result['num_segments']} segments, {result['masked_frames']} masked frames",
-             f"{'codebook':>10} {'loss':>9} {'acc':>7}"]
+             f"{'codebook':>10} {'loss':>9} {'acc':>7}   (losses in {result.get('unit', 'nats')})"]
     for k in range(K):
         lines.append(f"{'cb' + str(k):>10} {result[f'eval/acoustic_mlm_loss/cb{k}']:9.4f} "
                      f"{result[f'eval/acoustic_acc/cb{k}']:7.3f}")
@@ -97,8 +85,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards), after "
                    "PATH (default: the run's data.path)")
     p.add_argument("--split", default="eval", choices=["eval", "train", "all"])
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1234, help="seed of the evaluation masks")
+    p.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE)
+    p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the evaluation masks")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:

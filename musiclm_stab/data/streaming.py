@@ -131,7 +131,8 @@ class StreamingCrops(IterableDataset):
     The held-out tracks are those of ``split_indices`` on the same rows, found at construction by a read of
     the ``track`` and ``num_frames`` columns (the files' structure is checked then), which also counts the
     micro-batches of an epoch (``len``). Crops are seeded by (seed, epoch, example), the example being a
-    hash of its ``id``: the same at any world size. ``skip`` micro-batches at the start of the epoch are
+    hash of its ``id``: the same at any world size. ``seed`` (the run's data order seed, ``data.order_seed``
+    or ``train.seed``) also seeds the shuffle buffer. ``skip`` micro-batches at the start of the epoch are
     passed over without reading them (exact resume).
     """
 

@@ -35,7 +35,8 @@ def banner(text: str) -> None:
 
 def ensure_weights(corpus_dir: Path, work: Path) -> tuple[str | None, str | None]:
     """(weights file or None for the pretrained model, note for the data's metadata)."""
-    from musiclm_stab.encodec_weights import WeightsUnavailable, load_encodec, make_local_weights
+    from musiclm_stab.tokenizer.fit import make_local_weights
+    from musiclm_stab.tokenizer.weights import WeightsUnavailable, load_encodec
 
     try:
         load_encodec(None)
@@ -59,8 +60,8 @@ def ensure_weights(corpus_dir: Path, work: Path) -> tuple[str | None, str | None
 
 def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | None) -> Path:
     """``corpus_dir`` tokenized into ``out`` with ``weights``, unless it already is."""
-    from musiclm_stab.encodec_weights import load_encodec
-    from musiclm_stab.tokenize import tokenize
+    from musiclm_stab.tokenizer.pipeline import tokenize
+    from musiclm_stab.tokenizer.weights import load_encodec
 
     meta = out / "tokenizer.json"
     if meta.exists():

@@ -1,13 +1,29 @@
 """Multi-head self-attention with three interchangeable forms.
 
-- ``sdpa``  fused ``scaled_dot_product_attention`` (fast default). It never materialises the raw
-            logits, so it can neither show nor suffer fp16 logit overflow the way the study's runs did.
-- ``math``  the explicit form: logits = (Q K^T) / sqrt(d) in the compute dtype, then softmax. The raw
-            product Q K^T is formed first, so in fp16 (or under fp16 autocast) it overflows to inf once
-            any q.k passes 65504, and the softmax turns the row to NaN.
+- ``sdpa``  fused ``scaled_dot_product_attention`` (fast default): what MERT's training ran on torch >= 2
+            (fairseq's MultiheadAttention takes torch's ``F.multi_head_attention_forward`` fast path, which
+            with ``need_weights=False`` calls SDPA). It never materialises the logits, so it can neither
+            show nor suffer fp16 logit overflow the way an explicit product does.
+- ``math``  the reference's explicit arithmetic (fairseq ``MultiheadAttention``: ``q *= head_dim**-0.5``
+            before ``bmm(q, k^T)``; torch's ``multi_head_attention_forward`` with need_weights scales q the
+            same way): logits = (Q / sqrt(d)) K^T in the compute dtype, softmax in fp32 (fairseq's
+            ``utils.softmax``), probabilities back in the compute dtype. In fp16 (or under fp16 autocast)
+            the product overflows to inf once a *logit* passes 65504, and the softmax turns the row to NaN.
+            (Dividing after the matmul instead, as this form did before, overflows sqrt(d) = 8x earlier.)
 - ``relax`` PB-relax (CogView): Q is divided by alpha*sqrt(d) *before* the matmul, so the product stays
-            small; then softmax((Q/(alpha sqrt d)) K^T - rowmax) * alpha). Identical to ``math`` in exact
-            arithmetic; finite where ``math`` overflows.
+            alpha times smaller than ``math``'s; the detached row max is subtracted in the compute dtype,
+            the result multiplied by alpha in fp32, then softmax:
+                softmax(((Q / (alpha sqrt d)) K^T - rowmax) * alpha)
+            Identical to ``math`` in exact arithmetic; finite where ``math`` overflows (up to alpha times
+            larger logits).
+
+MERT's relax (``attention_relax: 32.0`` in the 330M config; mert_model.py ``MultiheadAttention_extend``,
+lines 1928-1945 at commit 391062e) is a different formula and never ran in training. With a = the
+already-formed logits (q * d^-1/2) K^T in the compute dtype, it computes (a/alpha - rowmax(a/alpha)) * alpha,
+then fp32 softmax: mathematically a - rowmax(a), a shift softmax ignores, applied *after* the matmul, so it
+cannot prevent an overflow of a. And it sits on the explicit path only, after the fast path
+(``F.multi_head_attention_forward``, line 1732) has already returned for every training call. So MERT-330M
+trained with plain fused attention; our ``relax`` is the relaxation the study's legend names, made to work.
 """
 
 from __future__ import annotations
@@ -38,8 +54,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 
     """Attention probabilities of the explicit forms. q, k: [B, H, T, d] -> [B, H, T, T] (dtype of q)."""
     d = q.shape[-1]
     if form == "math":
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # raw logits, in the compute dtype
-        return torch.softmax(logits, dim=-1)
+        logits = (q * d**-0.5) @ k.transpose(-2, -1)  # q scaled first (fairseq), product in the compute dtype
+        return torch.softmax(logits.float(), dim=-1).to(q.dtype)  # fp32 softmax, as fairseq's utils.softmax
     if form == "relax":
         logits = (q / (alpha * math.sqrt(d))) @ k.transpose(-2, -1)  # small: divided before the matmul
         # Row max subtracted in the compute dtype (every entry <= 0 and the max exactly 0), then times

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from musiclm_stab.config import ModelConfig
+from musiclm_stab.config import INIT_SCHEMES, ConfigError, ModelConfig
 from musiclm_stab.model.attention import SelfAttention, fast_dropout
 from musiclm_stab.model.norm_schemes import SchemeSpec, make_norm, resolve_scheme
 
@@ -61,20 +61,38 @@ class EncoderLayer(nn.Module):
         return self._block(x, self.ffn, self.ffn_norm_in, self.ffn_norm_out, self.ffn_norm_res)
 
 
-def init_encoder_weights(layers: nn.ModuleList, spec: SchemeSpec) -> list[str]:
-    """Xavier init for every projection; fc1, fc2, out_proj, v_proj get the scheme's gain.
+BERT_INIT_STD = 0.02  # fairseq's init_bert_params: N(0, 0.02) for every Linear of the encoder
+SCALED_AT_INIT = ("fc1", "fc2", "out_proj", "v_proj")  # the weights a scheme's init gain multiplies
+
+
+def init_encoder_weights(layers: nn.ModuleList, spec: SchemeSpec, init: str = "mert") -> list[str]:
+    """Initialise every Linear of the encoder layers (q, k, v, out_proj, fc1, fc2): biases 0, weights
+
+    - ``mert``: N(0, 0.02), fairseq's ``init_bert_params`` that MERT's encoder applies to itself
+      (wav2vec2.py ``TransformerEncoder.__init__``), and only there: the conv frontend, feature
+      projection, heads, label and mask embeddings keep their own inits, as in MERT;
+    - ``xavier``: ``xavier_normal_`` (torchscale's DeepNorm/Magneto init);
+
+    then fc1, fc2, out_proj, v_proj get the scheme's gain (``spec.init_gain``) on their std: DeepNorm's
+    beta = (8N)^(-1/4), which is MERT's division by (8N)^(1/4) (mert_model.py TransformerEncoder_extend),
+    or Sub-LN's sqrt(log 2N); q and k never.
 
     Returns the names (relative to ``layers``) of the weights scaled by a gain other than 1, so tests can
     check that exactly the right parameters were touched.
     """
+    if init not in INIT_SCHEMES:
+        raise ConfigError(f"model.init={init!r} is not valid; choose one of: {', '.join(INIT_SCHEMES)}")
     scaled = []
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            gain = spec.init_gain if leaf in ("fc1", "fc2", "out_proj", "v_proj") else 1.0
-            nn.init.xavier_normal_(module.weight, gain=gain)
+            gain = spec.init_gain if leaf in SCALED_AT_INIT else 1.0
+            if init == "mert":
+                nn.init.normal_(module.weight, mean=0.0, std=BERT_INIT_STD * gain)
+            else:
+                nn.init.xavier_normal_(module.weight, gain=gain)
             nn.init.zeros_(module.bias)
             if gain != 1.0:
                 scaled.append(f"{i}.{name}.weight")
@@ -94,7 +112,7 @@ class Encoder(nn.Module):
         self.dropout, self.layerdrop = cfg.dropout, cfg.layerdrop
         self.layers = nn.ModuleList(EncoderLayer(cfg, self.spec) for _ in range(cfg.num_layers))
         self.checkpoint_layers = False  # activation checkpointing (train.activation_checkpointing)
-        self.scaled_at_init = init_encoder_weights(self.layers, self.spec)
+        self.scaled_at_init = init_encoder_weights(self.layers, self.spec, cfg.init)
 
     def forward(self, x: torch.Tensor, return_hidden: bool = False):
         """x: [B, T, D]. Returns [B, T, D], or (output, list of num_layers+1 hidden states)."""

@@ -10,11 +10,13 @@ Per sublayer G (attention or feed-forward), with x the residual stream:
 - ``post``     x = LN(x + G(x));                  LN on the embeddings before the first layer
 - ``deepnorm`` x = LN(alpha * x + G(x));          alpha = (2N)^(1/4); fc1, fc2, out_proj, v_proj
                                                   initialised with gain beta = (8N)^(-1/4); q, k untouched
+                                                  (MERT's deepnorm: its residual_alpha and init_scale)
 - ``sandwich`` x = x + LN(G(LN(x)));              CogView's sandwich-LN; final LN
 - ``subln``    x = x + G(LN(x)) with an extra LN inside G (before out_proj, before fc2);
                fc1, fc2, out_proj, v_proj initialised with gain sqrt(log(2N)) (Magneto, encoder-only)
 
-N is the number of layers. The attention form (sdpa / math / relax), norm type (LayerNorm / RMSNorm)
+N is the number of layers. The gain multiplies the std of the base init (``model.init``: MERT's N(0, 0.02)
+or xavier_normal_; model/encoder.py). The attention form (sdpa / math / relax), norm type (LayerNorm / RMSNorm)
 and QK-norm are orthogonal switches handled by the attention and norm factories.
 """
 
@@ -36,7 +38,7 @@ class SchemeSpec:
     norm_after_residual: bool  # LN after the residual add (post-LN family)
     sublayer_norm: bool  # extra LN inside attention (before out_proj) and FFN (before fc2)
     residual_alpha: float  # multiplies the residual x, never G(x)
-    init_gain: float  # xavier gain for fc1, fc2, out_proj, v_proj (1.0 = plain xavier)
+    init_gain: float  # multiplies the init std of fc1, fc2, out_proj, v_proj (1.0: the base init as is)
     embed_norm: bool  # LN on the embeddings before the first layer
     final_norm: bool  # LN after the last layer
 

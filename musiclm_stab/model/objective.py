@@ -9,14 +9,44 @@ clean crop's CQT, features_pen = mean(features^2) of the conv frontend over ever
 is 1 on one process; with several, the trainer sets it to this process's share of the global batch's
 masked frames (so the mean over processes is the global batch's mean). Training, evaluation and the
 exported model's check all go through ``mlm_objective``; ``MLMOutput.metrics`` names every logged value.
+
+Units. The objective is computed in nats (natural-log cross-entropy) whatever is logged. ``metrics(unit)``
+reports every *loss* (``LOSS_METRICS``: loss, acoustic_mlm_loss and its per-codebook parts,
+musical_mlm_loss, features_pen) in ``train.loss_unit``: ``bits`` divides each by ln 2, as fairseq's hubert
+criterion logs every loss (hubert_criterion.py ``reduce_metrics``: ``/ math.log(2)``), so codebook CE
+starts near log2(1024) = 10; ``nats`` reports them as computed. The MSE and the features penalty are not
+information quantities; they are divided by ln 2 all the same, as fairseq does, so that ``loss`` stays
+``acoustic + musical_weight * musical + features_pen_weight * features_pen`` in either unit. Accuracy and
+mask_fraction are not losses and never change. ``features_pen`` is logged unweighted (fairseq's logged
+``loss_features_pen`` is features_pen_weight times it).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+NATS_PER_BIT = math.log(2.0)
+# The metrics that are losses, whose logged value depends on train.loss_unit (also with an "eval/" prefix).
+LOSS_METRICS = re.compile(r"^(eval/)?(loss|acoustic_mlm_loss(/cb\d+)?|musical_mlm_loss|features_pen)$")
+
+
+def is_loss_metric(name: str) -> bool:
+    """Whether a metric name is a loss (changes with the unit): ``loss``, ``acoustic_mlm_loss/cb3``, ..."""
+    return LOSS_METRICS.match(name) is not None
+
+
+def unit_factor(from_unit: str, to_unit: str) -> float:
+    """Multiply a loss logged in ``from_unit`` by this to have it in ``to_unit`` (units: bits, nats)."""
+    per_nat = {"nats": 1.0, "bits": 1.0 / NATS_PER_BIT}
+    for unit in (from_unit, to_unit):
+        if unit not in per_nat:
+            raise ValueError(f"loss unit {unit!r} is not valid; choose one of: bits, nats")
+    return per_nat[to_unit] / per_nat[from_unit]
 
 
 @dataclass
@@ -30,16 +60,19 @@ class MLMOutput:
     mask_fraction: torch.Tensor  # scalar: share of frames masked
     frame_weight: torch.Tensor | float = 1.0  # see the module docstring
 
-    def metrics(self) -> dict[str, torch.Tensor]:
-        """Every logged value by its metric name (detached fp32 scalars). Means over masked frames are
-        multiplied by ``frame_weight``, so that their mean over processes is the global batch's."""
+    def metrics(self, unit: str = "bits") -> dict[str, torch.Tensor]:
+        """Every logged value by its metric name (detached fp32 scalars), the losses in ``unit`` (bits or
+        nats; see the module docstring). Means over masked frames are multiplied by ``frame_weight``, so
+        that their mean over processes is the global batch's."""
         w = self.frame_weight
         out = {"loss": self.loss, "acoustic_mlm_loss": self.acoustic_mlm_loss * w,
                "musical_mlm_loss": self.musical_mlm_loss * w, "features_pen": self.features_pen,
                "mask_fraction": self.mask_fraction}
         out.update({f"acoustic_mlm_loss/cb{k}": ce * w for k, ce in enumerate(self.acoustic_ce)})
         out.update({f"acoustic_acc/cb{k}": acc * w for k, acc in enumerate(self.acoustic_acc)})
-        return {name: value.detach().float() for name, value in out.items()}
+        factor = unit_factor("nats", unit)
+        return {name: value.detach().float() * (factor if is_loss_metric(name) else 1.0)
+                for name, value in out.items()}
 
 
 def objective(acoustic_mlm_loss, musical_mlm_loss, features_pen, musical_weight: float,

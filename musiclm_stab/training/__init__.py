@@ -6,4 +6,5 @@
     checkpoint.py  checkpoints that are complete or absent, coordinated across processes
     run_dir.py     the run directory: refusals, config.yaml, metrics.jsonl rows
     trained.py     a trained model from a run or checkpoint directory
+    held_out.py    the held-out evaluation loop (train.eval_every and musiclm-stab evaluate)
 """

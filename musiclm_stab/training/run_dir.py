@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
-from musiclm_stab.config import Config, ConfigError, save_config
+from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
 
 
 class MetricsWriter:
@@ -24,7 +22,7 @@ class MetricsWriter:
 
 def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
     """Refuse to overwrite a run, to resume with another model config, or to mix tokenizers."""
-    from musiclm_stab.tokenize import check_same_tokenizer
+    from musiclm_stab.data.tokenized import check_same_tokenizer
 
     run_dir = cfg.run_dir
     saved_cfg = run_dir / "config.yaml"
@@ -32,12 +30,16 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
         raise ConfigError(f"run directory {run_dir} already exists; pass --resume to continue it, "
                           f"or choose another --train.name")
     if resume and saved_cfg.exists():
-        old = yaml.safe_load(saved_cfg.read_text())
+        old = config_from_run(run_dir).to_dict()  # settings newer than the run read back as it had them
         new = cfg.to_dict()
-        changed = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
+        changed = [k for k in new["model"] if old["model"].get(k) != new["model"][k]]
         if changed:
             raise ConfigError(f"cannot resume {run_dir} with a changed model config: {', '.join(changed)} "
                               f"differ from {saved_cfg}")
+        if old["train"]["loss_unit"] != new["train"]["loss_unit"]:  # one unit per metrics.jsonl
+            raise ConfigError(f"cannot resume {run_dir} with train.loss_unit={new['train']['loss_unit']}: its "
+                              f"metrics are in {old['train']['loss_unit']}; pass "
+                              f"--train.loss_unit={old['train']['loss_unit']}")
         old_tok = run_dir / "tokenizer.json"
         if old_tok.exists():
             check_same_tokenizer(json.loads(old_tok.read_text()), tokenizer_info, f"run {run_dir}",
