@@ -72,12 +72,15 @@ def test_manifest_and_corpus_json_describe_the_files(built):
 
 
 def test_same_seed_gives_identical_bytes(built, tmp_path):
-    """A second build with the same seed writes byte-identical files (and a smaller corpus is a prefix)."""
-    _, paths = built
+    """A second build with the same seed writes byte-identical files, audio and labels (and a smaller
+    corpus is a prefix)."""
+    out, paths = built
     again = build.build_corpus(tmp_path, num_tracks=2, seed=0, progress=False)
     assert [p.name for p in again] == [p.name for p in paths[:2]]
     for a, b in zip(again, paths[:2], strict=True):
         assert a.read_bytes() == b.read_bytes()
+        label = f"labels/{a.stem}.npz"
+        assert (tmp_path / label).read_bytes() == (out / label).read_bytes()
 
 
 def test_different_seed_gives_different_audio(tmp_path):
@@ -198,6 +201,12 @@ def test_hours_preset_interleaves_collections_with_licences(tmp_path):
         assert sf.info(p).duration == pytest.approx(3.0, abs=1e-3)
     config = json.loads((tmp_path / "a" / "corpus.json").read_text())["config"]
     assert (config["preset"], config["max_seconds"]) == ("hours", 3)
+    labels = corpus_labels.read_labels(tmp_path / "a")
+    for r, p in zip(rows, paths, strict=True):  # labels stop at the cut: 3 s = 225 frames
+        row, arrays = labels.row(p.name), labels.arrays(p.name)
+        assert (row["collection"], row["num_frames"], arrays["pitch"].shape[0]) == (r["collection"], 225, 225)
+        assert arrays["notes"][:, 1].max() <= 3.0 and arrays["pitch"][-1].any()
+        assert [v["program"] for v in row["voices"]] == [i["program"] for i in r["instruments"]]
     again = build.build_corpus(tmp_path / "b", num_tracks=3, seed=0, preset="hours", max_seconds=3, progress=False)
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in paths[:3]]
     with pytest.raises(ValueError, match="at most 256"):
@@ -226,3 +235,123 @@ def test_every_register_instrument_sounds_across_its_range():
     for p in works.SOLO:
         uses.setdefault(p, set()).add("solo")
     assert _silent_keys(uses, ranges) == []
+
+
+# ------------------------------------------------------------------------------------------------ labels
+
+from musiclm_stab.corpus import labels as corpus_labels  # noqa: E402
+
+SINGLE_NOTES = [  # (GM program, MIDI key, on_s, off_s): one note per track, odd times (not on frame edges)
+    (40, 72, 0.3137, 1.0413),  # violin: sustained
+    (0, 64, 0.1000, 0.6071),  # piano: decaying
+    (42, 45, 0.5519, 0.8530),  # cello
+]
+
+
+def _single_note_tracks() -> list:
+    return [render.Track(source=f"test/{i}", ensemble="test", tempo_qpm=60, title=f"note{i}",
+                         voices=[render.Voice("Solo", program, notes=[(on, off, key, 90)])])
+            for i, (program, key, on, off) in enumerate(SINGLE_NOTES)]
+
+
+def _sounds_like(audio: np.ndarray, sr: int, key: int) -> bool:
+    """Whether MIDI ``key`` explains the audio's spectrum: its strongest peak is within a quarter tone of
+    harmonic 1-4 of the key's frequency, and the fundamental's quarter-tone band holds at least 5% of that
+    peak's magnitude (so a semitone off or an octave too low does not pass). Measured for SINGLE_NOTES: the
+    fundamental's band holds 86-100% for the right key, <= 0.1% an octave below."""
+    spec = np.abs(np.fft.rfft(audio * np.hanning(len(audio))))
+    freqs = np.fft.rfftfreq(len(audio), 1 / sr)
+    f0, quarter = 440 * 2 ** ((key - 69) / 12), 2 ** (1 / 24)
+    peak = freqs[np.argmax(spec)]
+    at_harmonic = any(h * f0 / quarter <= peak <= h * f0 * quarter for h in range(1, 5))
+    band = (freqs >= f0 / quarter) & (freqs <= f0 * quarter)
+    band[np.argmin(np.abs(freqs - f0))] = True  # at least the nearest bin (short notes have coarse bins)
+    return at_harmonic and spec[band].max() >= 0.05 * spec.max()
+
+
+def test_a_rendered_notes_pitch_is_active_in_exactly_its_frames(tmp_path, monkeypatch):
+    """build_corpus's labels mark a note's pitch active from the frame its sound starts in to the frame
+    its note-off (the start of the release) falls in, each within one 75 Hz frame, and nothing else: the
+    onset is the first non-zero sample of the written file, the note-off the first sample where the audio
+    differs from a render with the note held longer; the pitch is what the audio's harmonics say."""
+    tracks = _single_note_tracks()
+    monkeypatch.setattr(build, "plans", lambda preset, seed, n: iter([("chorales", t) for t in tracks]))
+    sr = 44100
+    paths = build.build_corpus(tmp_path, num_tracks=len(tracks), seed=0, progress=False)
+    labels = corpus_labels.read_labels(tmp_path)
+    for path, track, (program, key, on, off) in zip(paths, tracks, SINGLE_NOTES, strict=True):
+        audio = sf.read(path, dtype="float32")[0][:, 0]
+        arrays = labels.arrays(path.name)
+        active = np.flatnonzero(arrays["pitch"][:, key])
+        assert arrays["pitch"].sum() == len(active) > 0  # one pitch, in one run of frames
+        assert np.array_equal(active, np.arange(active[0], active[-1] + 1))
+        onset = int(np.flatnonzero(audio != 0)[0])
+        assert abs(active[0] - onset * 75 // sr) <= 1, (path.name, active[0], onset)
+
+        held = render.Track(track.source, track.ensemble, 60,
+                            [render.Voice("Solo", program, notes=[(on, off + 0.5, key, 90)])])
+        a, b = render.render_track(track, sr)[:, 0], render.render_track(held, sr)[:, 0]
+        k = onset + int(np.argmax(np.abs(b[onset:int(off * sr)])))  # both renders agree up to their peak scale
+        release = onset + int(np.flatnonzero(np.abs(a[onset:] - a[k] / b[k] * b[onset:len(a)]) > 1e-4)[0])
+        assert 0 <= release - round(off * sr) <= 64  # the note-off, to tinysoundfont's 64-sample envelope block
+        assert abs((active[-1] + 1) - release * 75 // sr) <= 1, (path.name, active[-1], release)
+
+        note = audio[onset:release]
+        # (an octave too high is not checked: a timbre whose 2nd harmonic is its strongest would pass it)
+        assert _sounds_like(note, sr, key) and not any(_sounds_like(note, sr, k) for k in (key - 12, key - 1, key + 1))
+        row = labels.row(path.name)
+        assert row["num_frames"] == len(arrays["pitch"]) == -(-len(audio) * 75 // sr)
+        assert row["voices"][0]["program"] == program and row["top_family"] == program // 8
+        assert arrays["notes"].tolist() == [[round(on * sr) / sr, round(off * sr) / sr, key, 90, 0]]
+
+
+def test_labels_describe_the_chorales_of_a_built_corpus(built):
+    """Each track of the default corpus has labels: a [T, 128] pitch roll over its 75 Hz frames made of
+    exactly its notes' frames, the voices' GM programs and the tempo of the manifest, and a key from
+    music21's analysis (one of 24) with the written key signature."""
+    out, paths = built
+    labels = corpus_labels.read_labels(out)
+    manifest = {r["file"]: r for r in build.read_manifest(out)}
+    assert list(labels.rows) == [p.name for p in paths]
+    for p in paths:
+        row, arrays = labels.row(p.name), labels.arrays(p.name)
+        T = -(-sf.info(p).frames * 75 // 44100)
+        assert row["num_frames"] == T and arrays["pitch"].shape == (T, 128) and arrays["voice_active"].shape == (T, 4)
+        roll = np.zeros_like(arrays["pitch"])
+        for on, off, key, _, voice in arrays["notes"]:
+            first, stop = corpus_labels.frame_range(round(on * 44100), round(off * 44100), 44100)
+            assert first == int(np.ceil(on * 75 - 0.5)) and stop == int(np.ceil(off * 75 - 0.5))  # centre rule
+            roll[first:stop, int(key)] = True
+            assert arrays["voice_active"][first:stop, int(voice)].all()
+        assert np.array_equal(roll, arrays["pitch"])
+        assert 30 <= row["pitch_range"][0] and row["pitch_range"][1] <= 84  # chorale voices
+        assert [v["program"] for v in row["voices"]] == [i["program"] for i in manifest[p.name]["instruments"]]
+        assert row["tempo_qpm"] == manifest[p.name]["tempo_qpm"]
+        key = row["key"]
+        assert corpus_labels.KEY_NAMES[key["index"]] == key["name"] and key["mode"] in ("major", "minor")
+        assert -7 <= key["signature"]["sharps"] <= 7 and key["correlation"] > 0.5
+    meta = json.loads((out / "corpus.json").read_text())
+    assert meta["labels_version"] == corpus_labels.LABELS_VERSION
+
+
+def test_labels_are_added_to_a_corpus_built_before_labels(tmp_path, monkeypatch):
+    """build_corpus on a complete corpus without labels (as built before they existed) writes them without
+    rendering anything: the same bytes a fresh build writes."""
+    paths = build.build_corpus(tmp_path, num_tracks=2, seed=1, max_seconds=4, progress=False)
+    fresh = {p.name: p.read_bytes() for p in (tmp_path / "labels").iterdir()}
+    fresh_rows = (tmp_path / "labels.jsonl").read_text()
+    import shutil
+
+    shutil.rmtree(tmp_path / "labels")
+    (tmp_path / "labels.jsonl").unlink()
+    meta = json.loads((tmp_path / "corpus.json").read_text())
+    del meta["labels_version"]
+    (tmp_path / "corpus.json").write_text(json.dumps(meta))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("render_track called while adding labels")
+
+    monkeypatch.setattr(build, "render_track", fail)
+    assert build.build_corpus(tmp_path, num_tracks=2, seed=1, max_seconds=4, progress=False) == paths
+    assert {p.name: p.read_bytes() for p in (tmp_path / "labels").iterdir()} == fresh
+    assert (tmp_path / "labels.jsonl").read_text() == fresh_rows

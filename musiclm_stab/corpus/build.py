@@ -1,6 +1,7 @@
 """Assembling a corpus of real music, made offline: the default (Bach chorales) and the ``hours`` preset.
 
     build_corpus(out_dir, ...)                N tracks -> {index:03d}_{name}.flac + manifest.jsonl + corpus.json
+                                              + labels.jsonl + labels/{index:03d}_{name}.npz (labels.py)
     build_corpus(out_dir, preset="hours")     chorales, string quartets, madrigals, trecento, fiddle tunes
 
 Why this exists: the pipeline needs real music to tokenize and pretrain on, and tests and CPU runs need
@@ -23,9 +24,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from musiclm_stab.corpus import chorales, works
+from musiclm_stab.corpus.labels import (
+    LABELS_DIR,
+    LABELS_FILE,
+    LABELS_VERSION,
+    labels_complete,
+    track_labels,
+    write_labels_file,
+    write_track_labels,
+)
 from musiclm_stab.corpus.render import (
     FORMATS,
     SOUNDFONT_NAME,
+    num_samples,
     render_track,
     require,
     soundfont_path,
@@ -130,8 +141,12 @@ def plans(preset: str, seed: int, num_tracks: int):
 def _corpus_files(out_dir: Path) -> list[Path]:
     """Files a previous build wrote here (audio, manifest, corpus.json, leftovers of an interrupted run)."""
     pattern = re.compile(r"^\.?\d{3,}_.+\.(flac|wav)(\.partial)?$")
-    names = {"manifest.jsonl", "corpus.json"}
-    return [p for p in out_dir.iterdir() if p.is_file() and (p.name in names or pattern.match(p.name))]
+    names = {"manifest.jsonl", "corpus.json", LABELS_FILE, f".{LABELS_FILE}.partial"}
+    found = [p for p in out_dir.iterdir() if p.is_file() and (p.name in names or pattern.match(p.name))]
+    labels_pattern = re.compile(r"^\.?\d{3,}_.+\.npz(\.partial)?$")
+    if (out_dir / LABELS_DIR).is_dir():
+        found += [p for p in (out_dir / LABELS_DIR).iterdir() if p.is_file() and labels_pattern.match(p.name)]
+    return found
 
 
 def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list[Path] | None:
@@ -157,6 +172,8 @@ def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list
         )
     for f in _corpus_files(out_dir):
         f.unlink()
+    if (out_dir / LABELS_DIR).is_dir() and not any((out_dir / LABELS_DIR).iterdir()):
+        (out_dir / LABELS_DIR).rmdir()
     return None
 
 
@@ -178,9 +195,12 @@ def build_corpus(
     cut at ``max_seconds`` (default 180 s); ``num_tracks`` takes the first tracks of it.
     Writes ``{index:03d}_{name}.{fmt}`` (stereo, 16-bit, ``sample_rate`` Hz; 44.1 kHz by default so
     that the tokenizer's resampling is exercised), ``manifest.jsonl`` (one row per track, with its
-    source, instruments and licence) and ``corpus.json`` (the config; written last, so its "complete"
-    flag means every file is there). Deterministic in ``seed``; the first k tracks of a larger corpus
-    with the same seed and preset are the same tracks. Returns at once if out_dir already holds this corpus.
+    source, instruments and licence), the labels (``labels.jsonl`` and ``labels/{index:03d}_{name}.npz``:
+    pitches per 75 Hz frame, key, instruments, tempo; see labels.py) and ``corpus.json`` (the config;
+    written last, so its "complete" flag means every file is there). Deterministic in ``seed``; the
+    first k tracks of a larger corpus with the same seed and preset are the same tracks. Returns at once
+    if out_dir already holds this corpus; a corpus built before labels existed gets its labels added
+    (the scores are planned again, nothing is rendered).
     """
     from tqdm import tqdm
 
@@ -198,7 +218,10 @@ def build_corpus(
     config = CorpusConfig(num_tracks, seed, sample_rate, fmt, max_seconds, preset=preset)
     done = _check_out_dir(out_dir, config, overwrite)
     if done is not None:
-        log.info("%s already holds this corpus (%d tracks): nothing to do", out_dir, len(done))
+        if labels_complete(out_dir, [p.name for p in done]):
+            log.info("%s already holds this corpus (%d tracks): nothing to do", out_dir, len(done))
+        else:
+            _add_labels(out_dir, config, done, progress)
         return done
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -212,7 +235,7 @@ def build_corpus(
     (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
     soundfont = soundfont_path().read_bytes()
 
-    paths, rows = [], []
+    paths, rows, label_rows = [], [], []
     bar = tqdm(total=num_tracks, desc="rendering", unit="track", disable=not progress)
     t0 = time.perf_counter()
     for collection, track in plans(preset, seed, num_tracks):
@@ -223,6 +246,8 @@ def build_corpus(
         audio = render_track(track, sample_rate, max_seconds, soundfont)
         path = out_dir / f"{index:03d}_{track.name}.{fmt}"
         write_audio(path, audio, sample_rate, fmt)
+        label_rows.append(write_track_labels(out_dir, path.name, track_labels(track, sample_rate, max_seconds),
+                                             collection))
         t2 = time.perf_counter()
         seconds = audio.shape[0] / sample_rate
         log.info("%s: %.1f s of audio; parse %.2f s, render+write %.2f s", path.name, seconds, t1 - t0, t2 - t1)
@@ -251,9 +276,39 @@ def build_corpus(
 
     with open(out_dir / "manifest.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
-    meta.update(complete=True, files=[p.name for p in paths])
+    write_labels_file(out_dir, label_rows)
+    meta.update(complete=True, files=[p.name for p in paths], labels_version=LABELS_VERSION)
     (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
     return paths
+
+
+def _add_labels(out_dir: Path, config: CorpusConfig, paths: list[Path], progress: bool) -> None:
+    """Write the labels of a complete corpus built without them (before labels existed): the scores are
+    planned again with the corpus's config (the same plans its audio was rendered from; nothing is
+    rendered), and each plan is checked against its file's name and length."""
+    import soundfile as sf
+    from tqdm import tqdm
+
+    log.info("%s: adding labels to a corpus built without them", out_dir)
+    label_rows = []
+    planned = plans(config.preset, config.seed, config.num_tracks)
+    for path in tqdm(paths, desc="labelling", unit="track", disable=not progress):
+        collection, track = next(planned)
+        expected = f"{len(label_rows):03d}_{track.name}.{config.fmt}"
+        n = num_samples(track, config.sample_rate, config.max_seconds)
+        frames = sf.info(path).frames
+        if path.name != expected or frames != n:
+            raise RuntimeError(
+                f"{path}: the corpus's config plans {expected} with {n} samples, the file has {frames}: it was "
+                "made by another version of the corpus code; rebuild it (--overwrite) to get labels"
+            )
+        label_rows.append(write_track_labels(out_dir, path.name, track_labels(track, config.sample_rate,
+                                                                                config.max_seconds), collection))
+    write_labels_file(out_dir, label_rows)
+    meta_path = out_dir / "corpus.json"
+    meta = json.loads(meta_path.read_text())
+    meta["labels_version"] = LABELS_VERSION
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _collection_licence(name: str) -> str:

@@ -12,6 +12,7 @@ import logging
 import random
 from pathlib import Path
 
+from musiclm_stab.corpus.labels import score_key
 from musiclm_stab.corpus.render import LEAD_SECONDS, Track, Voice, long_rest_cuts, require
 
 log = logging.getLogger(__name__)
@@ -140,4 +141,8 @@ def plan_track(source: str, seed: int, ensemble: str) -> Track:
                 velocity = min(127, max(1, VELOCITY[voice_name] + rng.randint(-6, 6)))
                 voice.notes.append((t_on, t_off, int(pitch.midi), velocity))
         voices.append(voice)
-    return Track(source=source, ensemble=ensemble, tempo_qpm=tempo, voices=voices)
+    played = require("music21.stream").Score()  # the key of what is heard: the four voices, repeats expanded
+    for part in parts:
+        played.insert(0, part)
+    return Track(source=source, ensemble=ensemble, tempo_qpm=tempo, voices=voices,
+                 key=score_key(played, score, source))

@@ -104,6 +104,7 @@ class Track:
     tempo_qpm: int
     voices: list[Voice]
     title: str | None = None  # file name stem; default: the source's stem
+    key: dict | None = None  # the score's key, for the labels (labels.key_facts); never affects the audio
 
     @property
     def name(self) -> str:
@@ -140,6 +141,17 @@ def long_rest_cuts(spans: list[tuple[float, float]], long_quarters: float, kept_
     return start, lambda offset: removed[bisect.bisect_right(rest_ends, offset)]
 
 
+def num_samples(track: Track, sample_rate: int, max_seconds: float | None = None) -> int:
+    """Length of the rendered audio in samples: the track with its tail, cut at ``max_seconds``."""
+    total = track.seconds if max_seconds is None else min(track.seconds, max_seconds)
+    return int(round(total * sample_rate))
+
+
+def note_samples(seconds: float, sample_rate: int) -> int:
+    """The sample at which a note event at ``seconds`` is sent to the synth."""
+    return int(round(seconds * sample_rate))
+
+
 def render_track(
     track: Track, sample_rate: int = 44100, max_seconds: float | None = None, soundfont: bytes | None = None
 ) -> np.ndarray:
@@ -154,13 +166,12 @@ def render_track(
         synth.program_select(channel, sfid, 0, voice.program)
         synth.control_change(channel, 10, voice.pan)
 
-    total = track.seconds if max_seconds is None else min(track.seconds, max_seconds)
-    n_samples = int(round(total * sample_rate))
+    n_samples = num_samples(track, sample_rate, max_seconds)
     events = []  # (sample, is_on, channel, key, velocity): note-offs sort before note-ons at a sample
     for channel, voice in enumerate(track.voices):
         for t_on, t_off, key, velocity in voice.notes:
-            events.append((int(round(t_on * sample_rate)), 1, channel, key, velocity))
-            events.append((int(round(t_off * sample_rate)), 0, channel, key, 0))
+            events.append((note_samples(t_on, sample_rate), 1, channel, key, velocity))
+            events.append((note_samples(t_off, sample_rate), 0, channel, key, 0))
     events.sort()
 
     audio = np.zeros((n_samples, 2), dtype=np.float32)  # (S, 2) interleaved, as tinysoundfont writes

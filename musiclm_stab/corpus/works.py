@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from musiclm_stab.corpus.labels import score_key
 from musiclm_stab.corpus.render import LEAD_SECONDS, Track, Voice, long_rest_cuts, require
 
 log = logging.getLogger(__name__)
@@ -171,4 +172,5 @@ def plan_work(source: str, seed: int, collection: str, ensemble: str) -> Track:
                 voice.notes.append((on, off, int(p.midi), min(127, max(1, base + rng.randint(-6, 6)))))
         voices.append(voice)
     title = re.sub(r"\.(mxl|xml|abc|musicxml)$", "", source).replace("/", "-")
-    return Track(source=source, ensemble=ensemble, tempo_qpm=qpm, voices=voices, title=title)
+    return Track(source=source, ensemble=ensemble, tempo_qpm=qpm, voices=voices, title=title,
+                 key=score_key(score, source=source))

@@ -1,0 +1,200 @@
+"""Linear probes on frozen features, with labels from the rendered scores (musiclm-stab probe)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("music21")
+pytest.importorskip("tinysoundfont")
+
+from musiclm_stab.analysis import probe, probe_data, probe_fit  # noqa: E402
+from musiclm_stab.config import ConfigError, load_config  # noqa: E402
+from musiclm_stab.corpus import build  # noqa: E402
+from musiclm_stab.corpus.labels import read_labels  # noqa: E402
+from musiclm_stab.model.cqt import CQT  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rendered_tokens(tmp_path_factory, local_weights):
+    """4 chorales cut at 14 s (labels written by build_corpus), tokenized: (corpus dir, tokens dir).
+    Each track gives a 10 s and a 4 s segment."""
+    from musiclm_stab.tokenizer.pipeline import tokenize
+
+    root = tmp_path_factory.mktemp("probe")
+    corpus = root / "corpus"
+    build.build_corpus(corpus, num_tracks=4, seed=0, max_seconds=14, progress=False)
+    tokens = root / "tokens"
+    tokenize(corpus, tokens, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
+             weights_note="test weights fitted on synthetic music", workers=0)
+    return corpus, tokens
+
+
+@pytest.fixture(scope="module")
+def trained_run(rendered_tokens, tmp_path_factory):
+    """A tiny run of 2 steps on the rendered corpus (in-process Trainer): its run directory."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from musiclm_stab.training.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("runs")
+    cfg = load_config("recipes/tiny.yaml", [
+        f"--data.path={rendered_tokens[1]}", f"--train.output_dir={out}", "--train.name=run",
+        "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1",
+        "--train.max_steps=2", "--train.checkpoint_every=2"])
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        return Trainer(cfg).run()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_labels_join_tokenized_segments_in_time(rendered_tokens):
+    """The labels of each tokenized segment (joined by its track and start) line up with its 24 kHz audio
+    to the frame: the log-CQT rises most at the labelled note onsets, less one frame either way."""
+    from musiclm_stab.data.tokenized import load_tokenized
+
+    corpus, tokens = rendered_tokens
+    labels = read_labels(corpus)
+    ds, _ = load_tokenized(tokens)
+    cqt = CQT(24000, fmin=32.70319566, n_bins=84, bins_per_octave=12)  # bin k = MIDI pitch 24 + k
+    shifts = list(range(-3, 4))
+    rise, count = np.zeros(len(shifts)), 0
+    for row in ds.with_format("numpy"):
+        roll = labels.segment_pitch(row["track"], float(row["start"]), int(row["num_frames"]))[:, 24:108]
+        spec = torch.log(cqt(torch.from_numpy(row["pcm"])[None])[0] + 1e-3).numpy()  # [T, 84]
+        d = np.zeros_like(spec)
+        d[1:-1] = spec[2:] - spec[:-2]  # rise centred on frame t
+        onsets = roll & ~np.roll(roll, 1, axis=0)
+        onsets[0], onsets[:, :24] = False, False  # below MIDI 48 the CQT kernels are long (> 10 frames)
+        for i, s in enumerate(shifts):  # onsets moved s frames later against the audio
+            rise[i] += d[8:-8][np.roll(onsets, s, axis=0)[8:-8]].sum()
+        count += int(onsets[8:-8].sum())
+    rise /= count
+    assert count > 100 and int(np.argmax(rise)) == shifts.index(0), dict(zip(shifts, rise.round(3)))
+    # margin: measured on the 24-track default corpus 1.22 at 0 vs 1.02 / 0.90 one frame late / early
+    assert rise[3] > 1.05 * max(rise[2], rise[4]), dict(zip(shifts, rise.round(3)))
+
+
+def test_probe_scores_every_layer_and_baseline_deterministically(trained_run, rendered_tokens, tmp_path, monkeypatch):
+    """`probe` on a trained run gives per-layer scores of the run and its random init, and CQT, codes and
+    no-feature baselines, for pitch, key and instrument, with intervals; writes the JSON and the figure;
+    a second call reads the cached features and gives the same numbers."""
+    corpus, _ = rendered_tokens
+    monkeypatch.chdir(tmp_path)
+    assert probe.cli_main([str(trained_run), "--folds", "3", "--frame-stride", "10", "--l2", "0.01"]) == 0
+    result = json.loads((trained_run / "probe" / "probe.json").read_text())
+    assert result["labels"] == str(corpus)  # found from the data's tokenizer.json
+    assert (trained_run / "figures" / "probe.png").stat().st_size > 10_000
+    layers = [str(i) for i in range(3)]  # the tiny model: 2 transformer layers, 3 hidden states
+    assert list(result["results"]) == ["model", "random_init", "cqt", "codes", "prior"]
+    assert list(result["results"]["model"]) == list(result["results"]["random_init"]) == layers
+    for name, by_layer in result["results"].items():
+        for layer, tasks in by_layer.items():
+            assert set(tasks) == {"pitch", "key", "instrument"}, (name, layer)
+            for task, scores in tasks.items():
+                metric = probe.PRIMARY[task]
+                lo, hi = scores["ci95"][metric]
+                assert 0.0 <= lo <= scores[metric] <= hi <= 1.0, (name, layer, task, scores)
+                assert scores["tracks"] == 4 and scores["l2"] == [0.01] * 3
+    pitch = {n: r["0"]["pitch"]["map"] for n, r in result["results"].items()}
+    # the labels are of this audio: log CQT finds the pitches far above no features (measured here 0.25 vs
+    # 0.08, with 2 training tracks per fold; 0.64 vs 0.07 on the 24-track default corpus)
+    assert pitch["cqt"] > pitch["prior"] + 0.08
+    assert sorted(sum(result["fold_tracks"], [])) == sorted(read_labels(corpus).rows)
+
+    def no_extraction(*args, **kwargs):
+        raise AssertionError("features extracted again instead of read from the cache")
+
+    monkeypatch.setattr(probe_data, "_extract", no_extraction)
+    again = probe.probe_run(trained_run, folds=3, frame_stride=10, progress=False, write=False, l2_grid=[0.01],
+                            tasks=["key", "instrument"], baselines=["random_init"])  # a subset: fast
+    for name in ("model", "random_init"):
+        for layer, tasks in again["results"][name].items():
+            assert tasks == {t: result["results"][name][layer][t] for t in tasks}
+    table = probe.format_table(result)
+    assert "random_init" in table and "pitch mAP" in table and "model - random_init, layer 2" in table
+    summary = probe.summary(result)
+    assert set(summary) == {"pitch", "key", "instrument"}
+    score, layer = probe.best_layer(result)
+    assert (score, layer) == (summary["pitch"]["model"], summary["pitch"]["model_layer"])
+    assert score == max(result["results"]["model"][str(i)]["pitch"]["map"] for i in range(3))
+    for layer, tasks in result["results"]["model"].items():  # model - random init, paired over tracks
+        for task, scores in tasks.items():
+            paired, metric = scores["vs_random_init"], probe.PRIMARY[task]
+            assert paired["diff"] == pytest.approx(scores[metric] - result["results"]["random_init"][layer][task][metric])
+            assert paired["ci95"][0] <= paired["diff"] <= paired["ci95"][1], (layer, task, paired)
+
+
+def test_held_out_tracks_never_reach_the_probe_that_scores_them():
+    """cross_validate's probe for a fold never sees an item of that fold's tracks: with features that are
+    a one-hot of the track and a class drawn per track, every held-out item gets the same logits (the
+    probe only knows its training tracks), which any leak of a held-out track would break."""
+    rng = np.random.default_rng(0)
+    num_tracks, per_track = 9, 5
+    item_track = np.repeat(np.arange(num_tracks), per_track)
+    x = torch.nn.functional.one_hot(torch.from_numpy(item_track), num_tracks).float()
+    y = torch.from_numpy(rng.integers(0, 3, num_tracks)[item_track])
+    folds = probe_data.folds_of_tracks(num_tracks, 3, seed=0)
+    logits, _ = probe_fit.cross_validate(x, y, item_track, folds, probe_fit.Task("t", "multiclass", 3))
+    for fold in folds:
+        held = logits[torch.from_numpy(np.isin(item_track, fold))]
+        assert torch.allclose(held, held[:1].expand_as(held), rtol=0, atol=1e-6), fold
+    # the same probe trained on all tracks tells them apart: the check above can fail
+    leaky = probe_fit.Probe(num_tracks, 3, codes=False)
+    leaky.standardise_on(x)
+    leaky.fit(leaky.prepared(x), y, probe_fit.Task("t", "multiclass", 3), l2=1e-3)
+    assert (leaky.predict(x).argmax(1) == y).all()
+
+
+def test_probe_is_deterministic_given_the_seed(trained_run):
+    """Two probe runs with the same seed and no cache (features extracted again, random init drawn
+    again, the L2 penalty chosen again) give the same results, to the bit; another seed draws another
+    random init and deals the tracks into other folds."""
+    kwargs = dict(tasks=["pitch", "key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
+                  progress=False, write=False, use_cache=False)
+    a, b = (probe.probe_run(trained_run, seed=0, **kwargs) for _ in range(2))
+    assert a["results"] == b["results"] and a["fold_tracks"] == b["fold_tracks"]
+    first = probe_data.random_init_model(trained_run, seed=0).module.state_dict()
+    other = probe_data.random_init_model(trained_run, seed=1).module.state_dict()
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+    assert [f.tolist() for f in probe_data.folds_of_tracks(4, 3, 0)] != [f.tolist() for f in
+                                                                        probe_data.folds_of_tracks(4, 3, 1)]
+
+
+def test_probe_names_missing_or_mismatched_labels(trained_run, rendered_tokens, tmp_path):
+    """Data whose source has no labels, or labels of other audio, are refused naming the folder or track."""
+    with pytest.raises(ConfigError, match=f"tokenized from '{tmp_path}', which has no labels.jsonl: pass --labels"):
+        probe_data._labels_dir_for({"source": str(tmp_path), "source_kind": "folder"}, "DATA", None)
+    other = tmp_path / "other"
+    build.build_corpus(other, num_tracks=1, seed=5, max_seconds=2, progress=False)
+    with pytest.raises(ConfigError, match="are of a corpus with config .* not the same audio"):
+        probe_data.load_probe_data(trained_run, labels=other)
+    (other / "corpus.json").unlink()  # no config to compare: the tracks themselves do not match
+    with pytest.raises(KeyError, match="has no labels for track '000_"):
+        probe_data.load_probe_data(trained_run, labels=other)
+
+
+def test_average_precision_and_mirex_score():
+    """AP matches a hand computation (weights count items that many times); MIREX key credits are 1 / 0.5 /
+    0.3 / 0.2 / 0; folds of tracks are a seeded partition."""
+    scores = torch.tensor([[0.9], [0.8], [0.7], [0.1]])
+    labels = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
+    assert probe_fit.average_precision(scores, labels).item() == pytest.approx((1 + 2 / 3) / 2)
+    twice = probe_fit.average_precision(scores, labels, torch.tensor([1, 2, 1, 0]))
+    dup = probe_fit.average_precision(torch.tensor([[0.9], [0.8], [0.8], [0.7]]), torch.tensor([[1.0], [0], [0], [1]]))
+    assert twice.item() == pytest.approx(dup.item()) == pytest.approx((1 + 2 / 4) / 2)
+    # C major (0) vs: C major, G major (7), A minor (12 + 9), C minor (12), D major (2)
+    truth = np.zeros(5, dtype=np.int64)
+    assert probe_fit.mirex_key_score(np.array([0, 7, 21, 12, 2]), truth).tolist() == [1.0, 0.5, 0.3, 0.2, 0.0]
+    assert probe_fit.mirex_key_score(np.array([0, 16]), np.array([21, 21])).tolist() == [0.3, 0.5]  # A minor: C, E minor
+    folds = probe_data.folds_of_tracks(10, 4, seed=3)
+    assert sorted(np.concatenate(folds).tolist()) == list(range(10)) and [len(f) for f in folds] == [3, 3, 2, 2]
+    assert all(np.array_equal(a, b) for a, b in zip(folds, probe_data.folds_of_tracks(10, 4, seed=3)))
+    with pytest.raises(ValueError, match="folds must be >= 3"):
+        probe_data.folds_of_tracks(10, 2, seed=0)
