@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from matplotlib.colors import same_color
 
 from musiclm_stab import cli
 from musiclm_stab.analysis.plot import (
+    BAND_LABEL,
     RAW_ALPHA,
     ROLLBACK_LABEL,
     SKIPPED_LABEL,
@@ -22,6 +24,7 @@ from musiclm_stab.analysis.plot import (
     plot_runs,
     read_run,
     run_label,
+    seed_curve,
 )
 from musiclm_stab.config import Config, save_config
 
@@ -151,15 +154,16 @@ def test_run_label_override_modifiers_and_clip_format():
 
 
 def test_figures_axes_labels_scales_and_k_ticks(study_runs):
-    """Four figures with the study's axis labels, K step ticks, and log steps for the MLM losses."""
+    """Four figures with the study's axis labels (the loss unit stated), K step ticks, and log steps for
+    the MLM losses."""
     figs = make_figures(study_runs)
     assert list(figs) == ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0"]
     ylabels = {name: fig.axes[0].get_ylabel() for name, fig in figs.items()}
     assert ylabels == {
-        "loss": "Loss Scale",
+        "loss": "Loss Scale (bits)",
         "grad_norm": "Gradient Norm",
-        "musical_mlm_loss": "Musical MLM Loss",
-        "acoustic_mlm_loss_cb0": "Acoustic MLM Loss on Codebook-0",
+        "musical_mlm_loss": "Musical MLM Loss (MSE / ln 2)",
+        "acoustic_mlm_loss_cb0": "Acoustic MLM Loss on Codebook-0 (bits)",
     }
     for name, fig in figs.items():
         ax = fig.axes[0]
@@ -208,7 +212,7 @@ def test_more_codebooks_forced_linear_and_label_override(study_runs):
     """--codebooks adds figures, --no-log-x / --log-x force the step scale, labels override the legend."""
     figs = make_figures(study_runs, codebooks=(0, 3), log_x=False, labels=["A", "B", "C", "D"])
     assert "acoustic_mlm_loss_cb3" in figs
-    assert figs["acoustic_mlm_loss_cb3"].axes[0].get_ylabel() == "Acoustic MLM Loss on Codebook-3"
+    assert figs["acoustic_mlm_loss_cb3"].axes[0].get_ylabel() == "Acoustic MLM Loss on Codebook-3 (bits)"
     assert all(f.axes[0].get_xscale() == "linear" for f in figs.values())
     assert legend_texts(figs["loss"].axes[0]) == ["A", "B", "C", "D"]
     assert all(f.axes[0].get_xscale() == "symlog" for f in make_figures(study_runs, log_x=True).values())
@@ -257,6 +261,57 @@ def test_ema_values():
     np.testing.assert_array_equal(ema(np.array([1.0, 5.0]), 0.0), [1.0, 5.0])
     with pytest.raises(ValueError):
         ema(np.ones(3), 1.0)
+
+
+# --- units ---------------------------------------------------------------------------------------
+
+
+def _old_nats_run(root: Path, name: str = "old") -> Path:
+    """A run directory as written before train.loss_unit existed: no such key, losses in nats."""
+    run_dir = write_run(root, name, make_config(), [
+        {"step": 1, "loss": 60.0, "acoustic_mlm_loss/cb0": math.log(1024), "musical_mlm_loss": 2.0,
+         "features_pen": 0.5, "acoustic_acc/cb0": 0.25, "grad_norm": 3.0, "mask_fraction": 0.58}])
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del cfg["train"]["loss_unit"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run_dir
+
+
+def test_run_made_before_loss_unit_is_plotted_in_bits(tmp_path):
+    """A run without train.loss_unit logged nats: read in bits, its losses are divided by ln 2 (codebook-0
+    at ln 1024 nats becomes 10 bits); accuracy, grad norm and mask share are not losses and stay; a bits
+    run is not converted; in nats the bits run is multiplied back."""
+    old, new = _old_nats_run(tmp_path), write_run(tmp_path, "new", make_config(**{"train.run": 2}), [
+        {"step": 1, "loss": 80.0, "acoustic_mlm_loss/cb0": 10.0, "musical_mlm_loss": 3.0, "grad_norm": 3.0}])
+    run = read_run(old)
+    assert (run.logged_unit, run.unit) == ("nats", "bits")
+    value = {k: float(v[1][0]) for k, v in run.series.items()}
+    assert value["acoustic_mlm_loss/cb0"] == pytest.approx(10.0, rel=1e-12)
+    assert value["loss"] == pytest.approx(60.0 / math.log(2)) and value["musical_mlm_loss"] == pytest.approx(2.0 / math.log(2))
+    assert value["features_pen"] == pytest.approx(0.5 / math.log(2))
+    assert (value["acoustic_acc/cb0"], value["grad_norm"], value["mask_fraction"]) == (0.25, 3.0, 0.58)
+    assert float(read_run(new).metric("acoustic_mlm_loss/cb0")[1][0]) == 10.0
+    figs = make_figures([old, new])
+    ys = [float(line.get_ydata()[0]) for line in run_lines(figs["acoustic_mlm_loss_cb0"].axes[0])]
+    assert ys == pytest.approx([10.0, 10.0])
+    figs = make_figures([old, new], unit="nats")
+    assert figs["acoustic_mlm_loss_cb0"].axes[0].get_ylabel() == "Acoustic MLM Loss on Codebook-0 (nats)"
+    assert figs["musical_mlm_loss"].axes[0].get_ylabel() == "Musical MLM Loss (MSE)"
+    ys = [float(line.get_ydata()[0]) for line in run_lines(figs["acoustic_mlm_loss_cb0"].axes[0])]
+    assert ys == pytest.approx([math.log(1024), 10.0 * math.log(2)])
+    with pytest.raises(ValueError, match="loss unit 'dB' is not valid; choose one of: bits, nats"):
+        make_figures([new], unit="dB")
+
+
+def test_cli_plot_unit(tmp_path, capsys):
+    """`musiclm-stab plot --unit nats` draws the loss axes in nats; the default is bits."""
+    old = _old_nats_run(tmp_path)
+    assert cli.main(["plot", str(old), "--out", str(tmp_path / "figs"), "--unit", "nats", "--format", "png"]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "figs" / f"{n}.png") for n in
+                                               ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0"]]
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses an unknown unit, listing the choices
+        cli.main(["plot", str(old), "--out", str(tmp_path / "figs"), "--unit", "dB"])
+    assert exit_info.value.code == 2 and "invalid choice: 'dB'" in capsys.readouterr().err
 
 
 # --- robustness ------------------------------------------------------------------------------------
@@ -435,3 +490,92 @@ def test_cli_plot(study_runs, tmp_path, capsys):
     assert "missing does not exist" in capsys.readouterr().err
     assert cli.main(["plot", str(study_runs[0]), "--out", str(out), "--format", "bmpx"]) == 2
     assert "unknown figure format 'bmpx'" in capsys.readouterr().err
+
+
+# --- seeds, bands and the extra figures (issue 16) ----------------------------------------------------
+
+
+def _seed_runs(root: Path, seeds: int = 3, steps: int = 60) -> list[Path]:
+    """Two configurations x ``seeds`` seeds (train.seed), every step logged, with layer diagnostics and
+    held-out rows every 10 steps; seed s adds 0.1 * s to every loss, so the band's edges are known."""
+    dirs = []
+    for name, ov in STUDY_RUNS[:2]:
+        for s in range(seeds):
+            rows = synthetic_rows(steps, 1, seed=s)
+            for row in rows:
+                for key in list(row):
+                    if "loss" in key:
+                        row[key] += 0.1 * s
+                if row["step"] % 10 == 0:
+                    row["eval/loss"] = row["loss"]
+                    row["eval/acoustic_mlm_loss/cb0"] = row["acoustic_mlm_loss/cb0"]
+                    row["eval/musical_mlm_loss"] = row["musical_mlm_loss"]
+                    for layer in range(3):
+                        row[f"diag/max_attn_logit/layer{layer}"] = float(layer + s + row["step"])
+            dirs.append(write_run(root, f"{name}_s{s}", make_config(**ov, **{"train.seed": s}), rows))
+    return dirs
+
+
+def test_seed_bands_one_line_per_configuration_with_min_max_band(tmp_path):
+    """--bands: the seeds of a configuration are one line (mean of their EMAs) in a min-max band, legend kept."""
+    dirs = _seed_runs(tmp_path)
+    fig = make_figures(dirs, smooth=0.5, bands=True)["loss"]
+    ax = fig.axes[0]
+    lines = run_lines(ax)
+    assert [line.get_label() for line in lines] == STUDY_LABELS[:2]
+    assert legend_texts(ax) == [*STUDY_LABELS[:2], BAND_LABEL.format(3)]
+    runs = [read_run(d) for d in dirs[:3]]  # the first configuration's three seeds
+    curves = [ema(r.metric("loss")[1], 0.5) for r in runs]
+    np.testing.assert_allclose(lines[0].get_ydata(), np.mean(curves, axis=0))
+    (band,) = [c for c in ax.collections if c.get_gid() == f"band:{STUDY_LABELS[0]}"]
+    ys = band.get_paths()[0].vertices[:, 1]
+    # The band spans the lowest to the highest seed's EMA: seed 0 and seed 2 (+0.2 on every loss).
+    assert ys.min() == pytest.approx(min(c.min() for c in curves))
+    assert ys.max() == pytest.approx(max(c.max() for c in curves))
+    raw = [line for line in ax.get_lines() if (line.get_gid() or "") == f"raw:{STUDY_LABELS[0]}"]
+    np.testing.assert_allclose(raw[0].get_ydata(), np.mean([r.metric("loss")[1] for r in runs], axis=0))
+    assert same_color(band.get_facecolor()[0][:3], lines[0].get_color())
+
+
+def test_seed_curve_runs_with_different_steps(tmp_path):
+    """A seed missing steps (stopped early) leaves the others' curves whole: each seed smoothed on its own."""
+    short = write_run(tmp_path, "short", make_config(), synthetic_rows(20, 1, seed=0))
+    long = write_run(tmp_path, "long", make_config(), synthetic_rows(40, 1, seed=1))
+    runs = [read_run(short), read_run(long)]
+    curve = seed_curve(runs, "loss", 0.6)
+    assert list(curve.steps) == list(range(41)) and list(curve.count[:21]) == [2] * 21
+    assert list(curve.count[21:]) == [1] * 20
+    np.testing.assert_allclose(curve.line[21:], ema(runs[1].metric("loss")[1], 0.6)[21:])
+    assert (curve.lo <= curve.line).all() and (curve.line <= curve.hi).all()
+
+
+def test_extra_figures_codebooks_attention_logits_and_held_out(tmp_path):
+    """--extra draws every codebook's panel, the max attention logit (overall and per layer) and the held-out curves."""
+    dirs = _seed_runs(tmp_path, seeds=2)
+    figs = make_figures(dirs, bands=True, extra=True)
+    assert {"acoustic_mlm_loss_codebooks", "max_attn_logit", "max_attn_logit_layers", "eval"} <= set(figs)
+    assert figs["grad_norm_log"].axes[0].get_yscale() == "log" and figs["grad_norm"].axes[0].get_yscale() == "linear"
+    panels = [ax for ax in figs["acoustic_mlm_loss_codebooks"].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == [f"Acoustic MLM Loss on Codebook-{k} (bits)" for k in range(8)]
+    assert all(ax.get_xscale() == "symlog" for ax in panels)  # the study's log-scaled steps, as codebook 0
+    layers = [ax for ax in figs["max_attn_logit_layers"].axes if ax.get_visible()]
+    assert len(layers) == 3
+    # The overall max is the largest layer (layer 2: 2 + seed + step), averaged over the 2 seeds.
+    (line,) = [ln for ln in run_lines(figs["max_attn_logit"].axes[0]) if ln.get_label() == STUDY_LABELS[0]]
+    np.testing.assert_allclose(line.get_ydata(), [2 + 0.5 + s for s in range(0, 61, 10)])
+    eval_axes = [ax for ax in figs["eval"].axes if ax.get_visible()]
+    assert len(eval_axes) == 3 and all(len(run_lines(ax)[0].get_xdata()) == 7 for ax in eval_axes)
+    assert "Held-out Loss (bits)" in eval_axes[0].get_title()
+    # Without diagnostics or held-out rows those figures are left out, silently (the study's four stay).
+    plain = make_figures([write_run(tmp_path, "plain", make_config(), synthetic_rows(50, 1))], extra=True)
+    assert "max_attn_logit" not in plain and "eval" not in plain and "loss" in plain
+
+
+def test_cli_plot_bands_and_extra(tmp_path, capsys):
+    """`musiclm-stab plot --bands --extra` writes the study's four figures and the extra ones."""
+    dirs = _seed_runs(tmp_path / "runs", seeds=2, steps=30)
+    out = tmp_path / "figs"
+    assert cli.main(["plot", *map(str, dirs), "--out", str(out), "--bands", "--extra", "--format", "svg"]) == 0
+    assert sorted(p.stem for p in out.glob("*.svg")) == sorted(
+        ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0", "acoustic_mlm_loss_codebooks",
+         "grad_norm_log", "max_attn_logit", "max_attn_logit_layers", "eval"])

@@ -5,37 +5,58 @@
 Reads each run's ``config.yaml`` (for the legend text) and ``metrics.jsonl`` (one row per logged
 step) and draws, one line per run:
 
-  loss.png                   training loss          y "Loss Scale" (the study's wording for the loss
-                                                    axis; not the fp16 ``loss_scale`` metric)
+  loss.png                   training loss          y "Loss Scale (bits)" (the study's wording for the
+                                                    loss axis; not the fp16 ``loss_scale`` metric)
   grad_norm.png              grad norm before clip  y "Gradient Norm"
-  musical_mlm_loss.png       CQT regression loss    y "Musical MLM Loss", log-scaled steps
-  acoustic_mlm_loss_cb0.png  codebook-0 CE          y "Acoustic MLM Loss on Codebook-0", log-scaled steps
+  musical_mlm_loss.png       CQT regression loss    y "Musical MLM Loss (MSE / ln 2)", log-scaled steps
+  acoustic_mlm_loss_cb0.png  codebook-0 CE          y "Acoustic MLM Loss on Codebook-0 (bits)", log-scaled steps
+
+Losses are drawn in bits by default, the unit of the study's figures (fairseq logs every loss divided by
+ln 2: the codebook-0 CE starts near log2(1024) = 10), or in nats (``--unit nats``); the axis label names
+the unit. Each run's losses are converted from the unit it logged (``train.loss_unit``; nats for runs
+made before that setting existed), so runs of either kind share a figure correctly. The MSE is not an
+information quantity: "bits" there means divided by ln 2 as fairseq logs it, hence its label.
 
 in the study's style: x "Training Step" labelled in K, legend upper right, colours blue / orange /
 green / pink with markers o ^ v D. Skipped (non-finite) steps are marked with small x's on the x axis
 and loss-spike-guard rollbacks with dashed vertical lines. Plots read run directories only, never the
 training loop; problems with the files are warnings (`PlotWarning`), not crashes.
+
+``--smooth S``: TensorBoard's debiased EMA, the raw values faint behind. ``--bands``: runs with the same
+legend text are the seeds of one configuration (the seed is not part of the legend): one line, the mean
+over seeds of each seed's EMA, in a band from the lowest to the highest seed's EMA (min-max, not +-std:
+with 3 seeds the band shows every seed), the raw mean faint behind. ``--extra`` adds:
+
+  acoustic_mlm_loss_codebooks.png  every codebook's CE, one panel each (2 x 4), log-scaled steps
+  grad_norm_log.png                the gradient norm, log-scaled
+  max_attn_logit.png               largest attention logit |q.k|/sqrt(d) over the layers (diagnostics_every)
+  max_attn_logit_layers.png        the same, one panel per layer
+  eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every)
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import FixedLocator, Formatter, MaxNLocator, NullFormatter
 
 from musiclm_stab.analysis.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
+from musiclm_stab.config import LOSS_UNITS
 
-__all__ = ["PlotWarning", "RunMetrics", "cli_main", "make_figures", "plot_runs", "read_run", "run_label"]
+__all__ = ["PlotWarning", "RunGroup", "RunMetrics", "cli_main", "group_runs", "make_figures", "plot_runs", "read_run",
+           "run_label", "seed_curve"]
 
 # The study's colour and marker order; runs past the fourth continue with the rest of tab10 so that
 # five or more runs stay distinguishable (markers cycle every four).
@@ -59,6 +80,12 @@ PNG_DPI = 150
 
 SKIPPED_LABEL = "Skipped step (non-finite)"
 ROLLBACK_LABEL = "Rollback (loss-spike guard)"
+BAND_ALPHA = 0.2  # the seed band behind a configuration's line
+BAND_LABEL = "Band: min-max over {} seeds (EMA)"
+
+MAX_LOGIT = "diag/max_attn_logit/max"  # derived when read: the largest of the per-layer values at a step
+LAYER_LOGIT = re.compile(r"^diag/max_attn_logit/layer(\d+)$")
+CODEBOOK = re.compile(r"^acoustic_mlm_loss/cb(\d+)$")
 
 @dataclass(frozen=True)
 class FigureSpec:
@@ -66,14 +93,18 @@ class FigureSpec:
     metric: str  # metrics.jsonl key
     ylabel: str
     log_x: bool  # default x scale (the study draws the MLM losses against log-scaled steps)
+    log_y: bool = False  # log-scaled values (the extra gradient-norm figure: spikes of 1e4 beside norms of 1)
 
 
-def figure_specs(codebooks: Iterable[int] = (0,)) -> list[FigureSpec]:
-    """The study's figures, in order; one acoustic figure per requested codebook."""
+def figure_specs(codebooks: Iterable[int] = (0,), unit: str = "bits") -> list[FigureSpec]:
+    """The study's figures, in order; one acoustic figure per requested codebook. Loss axes name ``unit``."""
+    if unit not in LOSS_UNITS:
+        raise ValueError(f"loss unit {unit!r} is not valid; choose one of: {', '.join(LOSS_UNITS)}")
+    mse = "MSE / ln 2" if unit == "bits" else "MSE"
     specs = [
-        FigureSpec("loss", "loss", "Loss Scale", False),
+        FigureSpec("loss", "loss", f"Loss Scale ({unit})", False),
         FigureSpec("grad_norm", "grad_norm", "Gradient Norm", False),
-        FigureSpec("musical_mlm_loss", "musical_mlm_loss", "Musical MLM Loss", True),
+        FigureSpec("musical_mlm_loss", "musical_mlm_loss", f"Musical MLM Loss ({mse})", True),
     ]
     for k in codebooks:
         if int(k) < 0:
@@ -82,7 +113,7 @@ def figure_specs(codebooks: Iterable[int] = (0,)) -> list[FigureSpec]:
             FigureSpec(
                 f"acoustic_mlm_loss_cb{k}",
                 f"acoustic_mlm_loss/cb{k}",
-                f"Acoustic MLM Loss on Codebook-{k}",
+                f"Acoustic MLM Loss on Codebook-{k} ({unit})",
                 True,
             )
         )
@@ -191,6 +222,92 @@ def _resolve_labels(runs: Sequence[RunMetrics], labels: Sequence[str] | None) ->
     return [f"{lab} ({run.name})" if out.count(lab) > 1 else lab for run, lab in zip(runs, out)]
 
 
+@dataclass
+class RunGroup:
+    """The runs drawn as one line: one run, or the seeds of one configuration (``bands``)."""
+
+    label: str  # legend text
+    runs: list[RunMetrics]
+
+    @property
+    def name(self) -> str:
+        """The run's directory name (one run), else the legend text: the line's gid is ``run:<name>``."""
+        return self.runs[0].name if len(self.runs) == 1 else self.label
+
+
+@dataclass
+class SeedCurve:
+    """One group's curve of one metric on the union of its runs' logged steps.
+
+    ``raw``: mean over the runs of the logged values; ``line``: mean over the runs of each run's EMA;
+    ``lo``/``hi``: min and max over the runs of their EMAs (the band); ``count``: runs with a value there.
+    Since the debiased EMA is linear, ``line`` is also the EMA of ``raw`` where every run logged.
+    """
+
+    steps: np.ndarray  # [S]
+    raw: np.ndarray  # [S]
+    line: np.ndarray  # [S]
+    lo: np.ndarray  # [S]
+    hi: np.ndarray  # [S]
+    count: np.ndarray  # [S]
+
+
+def group_runs(runs: Sequence[RunMetrics], labels: Sequence[str] | None = None) -> list[RunGroup]:
+    """Runs with the same legend text (``labels`` or each run's) as one group each, in first-seen order.
+
+    The study's seeds of one configuration share its legend text (the seed is not part of it), so each
+    group is one configuration's seeds.
+    """
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
+    groups: dict[str, RunGroup] = {}
+    for run, label in zip(runs, labels if labels is not None else [r.label for r in runs]):
+        groups.setdefault(str(label), RunGroup(str(label), [])).runs.append(run)
+    return list(groups.values())
+
+
+def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float) -> SeedCurve | None:
+    """The mean, band (min-max of the smoothed curves) and raw mean of ``metric`` over ``runs``.
+
+    Each run is smoothed on its own logged steps (so a missing step in one seed does not shift
+    another's EMA), then the runs are combined step by step over the steps any of them logged. None
+    when no run logged the metric.
+    """
+    series = [s for s in (run.metric(metric) for run in runs) if s is not None]
+    if not series:
+        return None
+    steps = np.unique(np.concatenate([s for s, _ in series]))
+    raw = np.full((len(series), len(steps)), np.nan)
+    smoothed = np.full_like(raw, np.nan)
+    for i, (s, v) in enumerate(series):
+        at = np.searchsorted(steps, s)
+        raw[i, at] = v
+        smoothed[i, at] = ema(v, smooth)
+    count = np.sum(~np.isnan(raw), axis=0)
+    with warnings.catch_warnings():  # columns are never all-NaN (every step comes from some run)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return SeedCurve(steps, np.nanmean(raw, 0), np.nanmean(smoothed, 0), np.nanmin(smoothed, 0),
+                         np.nanmax(smoothed, 0), count)
+
+
+def _with_derived(run: RunMetrics) -> RunMetrics:
+    """The run with ``diag/max_attn_logit/max`` (the largest over layers, at steps every layer logged)."""
+    layers = [run.series[k] for k in run.series if LAYER_LOGIT.match(k)]
+    if not layers:
+        return run
+    common = layers[0][0]
+    for s, _ in layers[1:]:
+        common = np.intersect1d(common, s)
+    values = np.max([v[np.searchsorted(s, common)] for s, v in layers], axis=0)
+    return replace(run, series={**run.series, MAX_LOGIT: (common, values)})
+
+
+def layer_count(runs: Sequence[RunMetrics]) -> int:
+    """Number of layers with a logged max attention logit in any run (0: none)."""
+    found = [int(m.group(1)) for run in runs for k in run.series if (m := LAYER_LOGIT.match(k))]
+    return max(found) + 1 if found else 0
+
+
 def make_figures(
     runs: Sequence[RunMetrics | str | Path],
     *,
@@ -198,19 +315,34 @@ def make_figures(
     smooth: float = 0.0,
     log_x: bool | None = None,
     codebooks: Iterable[int] = (0,),
+    unit: str = "bits",
+    bands: bool = False,
+    extra: bool = False,
 ) -> dict[str, Figure]:
     """The study's figures as matplotlib Figures, keyed by file stem ("loss", "grad_norm", ...).
 
     One line per run, run i always in COLOURS[i] / MARKERS[i % 4] in every figure. ``log_x`` None
-    keeps each figure's default (log steps for the MLM losses); True/False forces all. A figure no
-    run has data for is left out, with a warning.
+    keeps each figure's default (log steps for the MLM losses); True/False forces all. Losses in
+    ``unit`` (bits or nats), whatever unit each run logged. A figure no run has data for is left out,
+    with a warning.
+
+    ``bands``: runs with the same legend text are the seeds of one configuration, drawn as one line (the
+    mean over seeds of each seed's EMA) with a band from the lowest to the highest seed's EMA, and the
+    mean of the raw values faint behind; ``labels`` then name the runs, and runs with one label form a
+    group. ``extra``: also the figures of EXTRA_FIGURES (every codebook, attention logits per layer,
+    held-out curves), drawn when some run logged their metrics.
     """
-    runs = [r if isinstance(r, RunMetrics) else read_run(r) for r in runs]
+    specs = figure_specs(codebooks, unit)  # checks the unit before any run is read
+    runs = [r.in_unit(unit) if isinstance(r, RunMetrics) else read_run(r, unit) for r in runs]
     if not runs:
         raise ValueError("no runs to plot")
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
-    legend_texts = _resolve_labels(runs, labels)
+    runs = [_with_derived(run) for run in runs]
+    if bands:
+        groups = group_runs(runs, labels)
+    else:
+        groups = [RunGroup(text, [run]) for run, text in zip(runs, _resolve_labels(runs, labels))]
 
     ends = {run.name: run.last_step for run in runs if run.last_step is not None}
     if len(set(ends.values())) > 1:
@@ -221,20 +353,58 @@ def make_figures(
         )
 
     figures: dict[str, Figure] = {}
-    for spec in figure_specs(codebooks):
-        with_data = []
-        for i, run in enumerate(runs):
-            if run.metric(spec.metric) is not None:
-                with_data.append(i)
-            elif run.last_step is not None:  # runs with no rows at all were reported by read_run
-                plot_warning(f"run {run.name!r} has no {spec.metric!r} values: no line for it in {spec.name}")
-        if not with_data:
-            plot_warning(f"no run has {spec.metric!r} values: figure {spec.name} not drawn")
-            continue
-        figures[spec.name] = _draw(
-            spec, runs, legend_texts, with_data, smooth, spec.log_x if log_x is None else log_x
-        )
+    for spec in specs:
+        fig = _figure([spec], groups, smooth, log_x, title=None)
+        if fig is not None:
+            figures[spec.name] = fig
+    if extra:
+        for name, (panels, title) in extra_figures(runs, unit).items():
+            fig = _figure(panels, groups, smooth if not name.startswith("eval") else 0.0, log_x, title=title,
+                          warn_missing=False)
+            if fig is not None:
+                figures[name] = fig
     return figures
+
+
+def extra_figures(runs: Sequence[RunMetrics], unit: str) -> dict[str, tuple[list[FigureSpec], str]]:
+    """The extra figures' panels: {file stem: (one FigureSpec per panel, figure title)}.
+
+      acoustic_mlm_loss_codebooks  training CE of every codebook (2 x 4 panels for 8), log-scaled steps
+      grad_norm_log                the gradient norm on a log scale (one blow-up no longer hides the rest)
+      max_attn_logit               largest attention logit over all layers, |q.k|/sqrt(d)
+      max_attn_logit_layers        the same per layer, one panel per layer
+      eval                         held-out loss, musical MLM loss and codebook-0 CE (train.eval_every)
+    """
+    mse = "MSE / ln 2" if unit == "bits" else "MSE"
+    codebooks = sorted({int(m.group(1)) for run in runs for k in run.series if (m := CODEBOOK.match(k))})
+    out = {
+        "acoustic_mlm_loss_codebooks": (
+            [FigureSpec(f"cb{k}", f"acoustic_mlm_loss/cb{k}", f"Acoustic MLM Loss on Codebook-{k} ({unit})", True)
+             for k in codebooks],
+            f"Acoustic MLM loss per codebook (training, {unit})",
+        ),
+        "grad_norm_log": (
+            [FigureSpec("grad_norm_log", "grad_norm", "Gradient Norm (log scale)", False, log_y=True)],
+            "Gradient norm before clipping, log-scaled",
+        ),
+        "max_attn_logit": (
+            [FigureSpec("max", MAX_LOGIT, "Max Attention Logit (all layers)", False)],
+            "Largest attention logit |q.k|/sqrt(d) over all layers",
+        ),
+        "max_attn_logit_layers": (
+            [FigureSpec(f"layer{i}", f"diag/max_attn_logit/layer{i}", f"Max Attention Logit, Layer {i}", False)
+             for i in range(layer_count(runs))],
+            "Largest attention logit |q.k|/sqrt(d) per layer",
+        ),
+        "eval": (
+            [FigureSpec("eval_loss", "eval/loss", f"Held-out Loss ({unit})", False),
+             FigureSpec("eval_musical", "eval/musical_mlm_loss", f"Held-out Musical MLM Loss ({mse})", True),
+             FigureSpec("eval_cb0", "eval/acoustic_mlm_loss/cb0", f"Held-out Acoustic MLM Loss on Codebook-0 ({unit})",
+                        True)],
+            "Held-out evaluation (fixed batches of the held-out tracks)",
+        ),
+    }
+    return {name: (panels, title) for name, (panels, title) in out.items() if panels}
 
 
 def _marker_indices(steps: np.ndarray, ax, offset: float, count: int = MARKERS_PER_LINE) -> list[int]:
@@ -257,93 +427,119 @@ def _marker_indices(steps: np.ndarray, ax, offset: float, count: int = MARKERS_P
     return sorted({int(i) for i in nearest})
 
 
-def _draw(
+def _figure(
+    panels: list[FigureSpec],
+    groups: list[RunGroup],
+    smooth: float,
+    log_x: bool | None,
+    title: str | None,
+    warn_missing: bool = True,
+) -> Figure | None:
+    """One figure of ``panels`` (one axes each; 1 panel: the study's 8 x 5 in, more: a grid of up to 4
+    per row). None, with a warning, when no group has any panel's metric."""
+    drawable = []
+    for spec in panels:
+        with_data = [i for i, g in enumerate(groups) if any(r.metric(spec.metric) is not None for r in g.runs)]
+        if warn_missing:
+            for group in groups:
+                for run in group.runs:
+                    if run.metric(spec.metric) is None and run.last_step is not None:
+                        plot_warning(f"run {run.name!r} has no {spec.metric!r} values: no line for it in {spec.name}")
+        if with_data:
+            drawable.append((spec, with_data))
+    if not drawable:
+        if warn_missing:
+            plot_warning(f"no run has {panels[0].metric!r} values: figure {panels[0].name} not drawn")
+        return None
+    n = len(drawable)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    size = FIGSIZE if n == 1 else (4.2 * cols, 3.2 * rows + 0.9)
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)  # non-interactive Agg canvas; no pyplot state
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    handles: list = []
+    for ax, (spec, with_data) in zip(axes, drawable):
+        handles = _draw_panel(ax, spec, groups, with_data, smooth, spec.log_x if log_x is None else log_x,
+                              legend=n == 1)
+        if n > 1:
+            ax.set_title(spec.ylabel, fontsize=9)
+            ax.set_ylabel("")
+    if n > 1:
+        if title:
+            fig.suptitle(title, fontsize=11)
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=8,
+                   framealpha=0.9)
+    return fig
+
+
+def _draw_panel(
+    ax,
     spec: FigureSpec,
-    runs: list[RunMetrics],
-    legend_texts: list[str],
+    groups: list[RunGroup],
     with_data: list[int],
     smooth: float,
     log_x: bool,
-) -> Figure:
-    fig = Figure(figsize=FIGSIZE, layout="constrained")
-    FigureCanvasAgg(fig)  # non-interactive Agg canvas; no pyplot state
-    ax = fig.add_subplot()
+    legend: bool = True,
+) -> list:
+    """Draw ``spec``'s metric for the groups ``with_data`` into ``ax``; returns the legend handles."""
     max_step = 0.0
+    curves: dict[int, SeedCurve] = {}
     for i in with_data:
-        run = runs[i]
-        marks = [run.metric(spec.metric)[0][-1], *run.skipped_steps, *(rb.step for rb in run.rollbacks)]
+        curves[i] = curve = seed_curve(groups[i].runs, spec.metric, smooth)
+        marks = [curve.steps[-1]]
+        for run in groups[i].runs:
+            marks += [*run.skipped_steps, *(rb.step for rb in run.rollbacks)]
         max_step = max(max_step, float(max(marks)))
-    handles: list[Line2D] = []
+    handles: list = []
     any_skipped = any_rollback = False
+    seeds: set[int] = set()
     lines = {}
     for i in with_data:
-        run = runs[i]
-        steps, values = run.metric(spec.metric)
+        group, curve = groups[i], curves[i]
         colour, marker = COLOURS[i % len(COLOURS)], MARKERS[i % len(MARKERS)]
         if smooth > 0:
-            ax.plot(
-                steps,
-                values,
-                color=colour,
-                alpha=RAW_ALPHA,
-                linewidth=0.8,
-                zorder=1,
-                label="_nolegend_",
-                gid=f"raw:{run.name}",
-            )
-        (line,) = ax.plot(
-            steps,
-            ema(values, smooth),
-            color=colour,
-            marker=marker,
-            markersize=4,
-            linewidth=1.2,
-            zorder=2,
-            label=legend_texts[i],
-            gid=f"run:{run.name}",
-        )
+            ax.plot(curve.steps, curve.raw, color=colour, alpha=RAW_ALPHA, linewidth=0.8, zorder=1,
+                    label="_nolegend_", gid=f"raw:{group.name}")
+        if len(group.runs) > 1:
+            seeds.add(len(group.runs))
+            ax.fill_between(curve.steps, curve.lo, curve.hi, color=colour, alpha=BAND_ALPHA, linewidth=0,
+                            zorder=0.5, label="_nolegend_", gid=f"band:{group.name}")
+        (line,) = ax.plot(curve.steps, curve.line, color=colour, marker=marker, markersize=4, linewidth=1.2,
+                          zorder=2, label=group.label, gid=f"run:{group.name}")
         lines[i] = line
         handles.append(line)
-        if len(run.skipped_steps):
-            any_skipped = True
-            # x in data, y in axes fraction: a row of small x's just above the x axis.
-            ax.plot(
-                run.skipped_steps,
-                np.full(len(run.skipped_steps), 0.02),
-                transform=ax.get_xaxis_transform(),
-                linestyle="none",
-                marker="x",
-                markersize=5,
-                color=colour,
-                zorder=3,
-                clip_on=False,
-                label="_nolegend_",
-                gid=f"skipped:{run.name}",
-            )
-        for rb in run.rollbacks:
-            any_rollback = True
-            ax.axvline(
-                rb.step,
-                color=colour,
-                linestyle="--",
-                linewidth=1.0,
-                alpha=0.8,
-                zorder=1.5,
-                label="_nolegend_",
-                gid=f"rollback:{run.name}",
-            )
+        for run in group.runs:
+            if len(run.skipped_steps):
+                any_skipped = True
+                # x in data, y in axes fraction: a row of small x's just above the x axis.
+                ax.plot(run.skipped_steps, np.full(len(run.skipped_steps), 0.02),
+                        transform=ax.get_xaxis_transform(), linestyle="none", marker="x", markersize=5,
+                        color=colour, zorder=3, clip_on=False, label="_nolegend_", gid=f"skipped:{run.name}")
+            for rb in run.rollbacks:
+                any_rollback = True
+                ax.axvline(rb.step, color=colour, linestyle="--", linewidth=1.0, alpha=0.8, zorder=1.5,
+                           label="_nolegend_", gid=f"rollback:{run.name}")
     _style_x_axis(ax, log_x, max_step)  # sets the x limits the marker positions are spread over
     for i, line in lines.items():
-        line.set_markevery(_marker_indices(runs[i].metric(spec.metric)[0], ax, offset=(i % 4) / 4))
+        line.set_markevery(_marker_indices(curves[i].steps, ax, offset=(i % 4) / 4))
     # One legend entry for each kind of mark, in neutral grey (the colour says which run).
+    if seeds:
+        counts = f"{min(seeds)}" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)}"
+        handles.append(Patch(color="0.35", alpha=BAND_ALPHA * 1.5, label=BAND_LABEL.format(counts)))
     if any_skipped:
         handles.append(Line2D([], [], color="0.35", marker="x", linestyle="none", label=SKIPPED_LABEL))
     if any_rollback:
         handles.append(Line2D([], [], color="0.35", linestyle="--", label=ROLLBACK_LABEL))
+    if spec.log_y:
+        ax.set_yscale("log")
     ax.set_ylabel(spec.ylabel)
     ax.grid(True, alpha=0.3, linewidth=0.6)
-    ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
-    return fig
+    if legend:
+        ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
+    return handles
 
 
 def plot_runs(
@@ -355,17 +551,22 @@ def plot_runs(
     log_x: bool | None = None,
     codebooks: Iterable[int] = (0,),
     formats: Sequence[str] = ("png", "pdf"),
+    unit: str = "bits",
+    bands: bool = False,
+    extra: bool = False,
 ) -> list[Path]:
     """Draw the study's figures for ``runs`` into ``out_dir``; returns the written files.
 
-    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector).
+    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands`` and ``extra``:
+    see make_figures.
     """
     formats = [f.lower().lstrip(".") for f in formats]
     supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
     for f in formats:
         if f not in supported:
             raise ValueError(f"unknown figure format {f!r}; choose from: {', '.join(sorted(supported))}")
-    figures = make_figures(runs, labels=labels, smooth=smooth, log_x=log_x, codebooks=codebooks)
+    figures = make_figures(runs, labels=labels, smooth=smooth, log_x=log_x, codebooks=codebooks, unit=unit,
+                           bands=bands, extra=extra)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -411,6 +612,23 @@ def _parser() -> argparse.ArgumentParser:
         help="codebooks to draw acoustic MLM loss for (default: 0)",
     )
     p.add_argument(
+        "--unit",
+        choices=LOSS_UNITS,
+        default="bits",
+        help="unit of the loss axes: bits (the study's, default) or nats; each run is converted from its own",
+    )
+    p.add_argument(
+        "--bands",
+        action="store_true",
+        help="runs with the same legend text are seeds of one configuration: one line (mean of their EMAs) "
+        "with a min-max band",
+    )
+    p.add_argument(
+        "--extra",
+        action="store_true",
+        help="also every codebook's loss, the per-layer max attention logit and the held-out curves",
+    )
+    p.add_argument(
         "--format",
         nargs="+",
         default=["png", "pdf"],
@@ -434,6 +652,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                 log_x=args.log_x,
                 codebooks=args.codebooks,
                 formats=args.formats,
+                unit=args.unit,
+                bands=args.bands,
+                extra=args.extra,
             )
         except (FileNotFoundError, ValueError) as e:
             _print_warnings(caught)

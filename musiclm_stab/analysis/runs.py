@@ -1,5 +1,10 @@
 """Reading run directories: legend text from the resolved config, metrics rows from metrics.jsonl.
 
+Losses are read in the unit asked for (bits by default, the study's): each run's ``train.loss_unit`` says
+what its metrics.jsonl holds, and a run made before that setting existed logged nats
+(``config.SETTINGS_BEFORE_THEY_EXISTED``); the loss series are converted when read
+(``model.objective.is_loss_metric`` says which metrics are losses).
+
 Problems with the files are warnings (``PlotWarning``), not crashes: figures must still be drawn.
 """
 
@@ -8,14 +13,16 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from musiclm_stab.config import LOSS_UNITS, SETTINGS_BEFORE_THEY_EXISTED
 from musiclm_stab.model.norm_schemes import LEGEND
+from musiclm_stab.model.objective import is_loss_metric, unit_factor
 
 ADAPTIVE_CLIP = {"zclip": "ZClip", "autoclip": "AutoClip"}
 
@@ -95,6 +102,16 @@ class RunMetrics:
     skipped_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     rollbacks: list[Rollback] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    unit: str = "bits"  # unit of the loss series as held here
+    logged_unit: str = "bits"  # unit the run logged its losses in (its train.loss_unit)
+
+    def in_unit(self, unit: str) -> RunMetrics:
+        """This run with its loss series in ``unit`` (bits or nats); itself when they already are."""
+        if unit == self.unit:
+            return self
+        factor = unit_factor(self.unit, unit)
+        series = {k: (s, v * factor if is_loss_metric(k) else v) for k, (s, v) in self.series.items()}
+        return replace(self, series=series, unit=unit)
 
     @property
     def last_step(self) -> int | None:
@@ -154,8 +171,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float))  # bools included: flags such as grad_clipped may be true/false
 
 
-def read_run(run_dir: str | Path) -> RunMetrics:
-    """Read ``config.yaml`` and ``metrics.jsonl`` of one run directory.
+def logged_unit(cfg: dict) -> str:
+    """The unit a run's metrics.jsonl holds its losses in, from its config (dict of config.yaml)."""
+    train = cfg.get("train") or {}
+    return str(train.get("loss_unit", SETTINGS_BEFORE_THEY_EXISTED["train"]["loss_unit"]))
+
+
+def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
+    """Read ``config.yaml`` and ``metrics.jsonl`` of one run directory, losses in ``unit`` (bits or nats).
 
     Raises FileNotFoundError naming the path when the directory or its config is missing. Problems in
     the metrics file (missing, empty, malformed lines) are PlotWarnings, also kept in ``.warnings``.
@@ -176,16 +199,22 @@ def read_run(run_dir: str | Path) -> RunMetrics:
         raise ValueError(f"{cfg_path} is not valid YAML: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path}: expected a mapping of sections (data/model/optim/train)")
-    run = RunMetrics(name=path.resolve().name, path=path, label=run_label(cfg), config=cfg)
+    if unit not in LOSS_UNITS:
+        raise ValueError(f"loss unit {unit!r} is not valid; choose one of: {', '.join(LOSS_UNITS)}")
+    logged = logged_unit(cfg)
+    if logged not in LOSS_UNITS:
+        raise ValueError(f"{cfg_path}: train.loss_unit={logged!r} is not one of: {', '.join(LOSS_UNITS)}")
+    run = RunMetrics(name=path.resolve().name, path=path, label=run_label(cfg), config=cfg, unit=logged,
+                     logged_unit=logged)
 
     metrics_path = path / "metrics.jsonl"
     if not metrics_path.is_file():
         plot_warning(f"{metrics_path} is missing: run {run.name!r} has no lines in any figure", run.warnings)
-        return run
+        return run.in_unit(unit)
     rows, run.rollbacks = _read_rows(metrics_path, run.warnings)
     if not rows:
         plot_warning(f"{metrics_path} has no metric rows: run {run.name!r} has no lines in any figure", run.warnings)
-        return run
+        return run.in_unit(unit)
 
     points: dict[str, tuple[list[int], list[float]]] = {}
     skipped: list[int] = []
@@ -209,7 +238,7 @@ def read_run(run_dir: str | Path) -> RunMetrics:
         k: (np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64)) for k, (s, v) in points.items()
     }
     run.skipped_steps = np.asarray(skipped, dtype=np.int64)
-    return run
+    return run.in_unit(unit)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,14 +1,27 @@
-"""The whole stability study in one command: four training runs, one after another, then its four figures.
+"""The whole stability study in one command: the four configurations over seeds, figures and the claims table.
 
-    musiclm-stab study --scale cpu               # the four runs at tiny size on CPU (~10 min on 2 cores)
-    musiclm-stab study --scale full --print-only # the four `accelerate launch` lines and the plot line
+    musiclm-stab study --scale cpu               # 4 configurations x 3 seeds at CPU size (docs/STUDY.md)
+    musiclm-stab study --scale gpu               # 4 configurations at base size, fp16, on one CUDA GPU
+    musiclm-stab study --scale full --print-only # the `accelerate launch` lines, the plot and claims lines
 
 ``--scale full`` runs each study recipe (recipes/study_*.yaml) as written: run directories
-``<runs>/<recipe name>``, figures in ``<runs>/study_figures``. ``--scale cpu`` runs the same four
-configurations at tiny size: each recipe with the overlays recipes/overlays/tiny.yaml (its *tiny twin*)
-and recipes/overlays/study_cpu.yaml layered on top, on the default corpus (made when missing), into
-``<runs>/<name>/`` with figures in ``<runs>/<name>/figures``. Every run goes through the real
-``accelerate launch recipes/pretrain.py``.
+``<runs>/<recipe name>`` (``_s<seed>`` appended with several seeds), figures in ``<runs>/study_figures``.
+``--scale cpu`` and ``--scale gpu`` run the same four configurations smaller: each recipe with the scale's
+overlays layered on top (SCALE_OVERLAYS: cpu = recipes/overlays/tiny.yaml, the *tiny twin*, then
+recipes/overlays/study_cpu.yaml; gpu = recipes/overlays/study_gpu.yaml), on the default corpus (made when
+missing), into ``<runs>/<name>/<recipe>_<scale>_s<seed>`` with figures, ``claims.md`` and ``summary.json``
+in ``<runs>/<name>/figures``. Every run goes through the real ``accelerate launch recipes/pretrain.py``.
+
+Seeds and data order (``--seeds N`` runs seeds 0..N-1 as ``train.seed``; ``--order``):
+  paired       (default) the runs of one seed share a data order (``data.order_seed`` unset = train.seed)
+               and the seeds differ: a difference between two configurations at one seed is not moved
+               by which batches came when (the claims' paired tests), and the spread over seeds covers
+               both the init and the data order.
+  shared       every run sees one order (``data.order_seed=0``): seeds differ only in init and dropout.
+  independent  every run its own order (``data.order_seed`` = 1000 + 10 x seed + configuration).
+
+``--jobs N`` trains N runs at a time (cpu scale default 2, one torch thread each: on 2 cores this beats
+one run with two threads); each run's output then goes to ``<runs>/<name>/logs/<run>.log``.
 
 An existing run directory with the same resolved config is resumed (``--resume``; a finished run
 returns at once), so an interrupted study continues where it stopped; one with another config is an
@@ -21,11 +34,13 @@ import argparse
 import json
 import math
 import os
+import resource
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from musiclm_stab.config import Config, ConfigError, load_config
@@ -48,10 +63,24 @@ STUDY_RECIPES = (
     "study_prenorm_attnrelax_clip1",
 )
 FULL_FIGURES = "study_figures"  # <runs>/study_figures for --scale full
-
+SCALES = ("cpu", "gpu", "full")
+OVERLAYS = RECIPES / "overlays"
+# Each scale's overlays, layered after the recipe in this order (later files win).
+SCALE_OVERLAYS: dict[str, tuple[Path, ...]] = {
+    "cpu": (OVERLAYS / "tiny.yaml", OVERLAYS / "study_cpu.yaml"),
+    "gpu": (OVERLAYS / "study_gpu.yaml",),
+    "full": (),
+}
+CPU_OVERLAYS = SCALE_OVERLAYS["cpu"]
 CPU_STUDY_NAME = "study_cpu"
-# CPU scale: each recipe's tiny twin, then the CPU study's settings (later files win).
-CPU_OVERLAYS = (RECIPES / "overlays" / "tiny.yaml", RECIPES / "overlays" / "study_cpu.yaml")
+DEFAULT_NAMES = {"cpu": CPU_STUDY_NAME, "gpu": "study_gpu"}
+RUN_SUFFIX = {"cpu": "tiny", "gpu": "gpu"}
+DEFAULT_SEEDS = {"cpu": 3, "gpu": 1, "full": 1}
+DEFAULT_JOBS = {"cpu": 2, "gpu": 1, "full": 1}
+# EMA smoothing of the figures (TensorBoard's debiased EMA): cpu logs every step of a noisy small batch,
+# the others every 10 steps.
+SMOOTH = {"cpu": 0.9, "gpu": 0.6, "full": 0.6}
+ORDERS = ("paired", "shared", "independent")
 
 
 def recipe_path(stem: str) -> Path:
@@ -64,6 +93,8 @@ class StudyRun:
 
     configs: list[Path]  # the recipe, then overlays
     overrides: list[str]
+    stem: str = ""  # the recipe's name
+    seed: int = 0
 
     def config(self) -> Config:
         """The resolved, validated config this run trains with."""
@@ -77,12 +108,29 @@ class StudyRun:
 
 @dataclass
 class Study:
-    scale: str  # "cpu" or "full"
+    scale: str  # "cpu", "gpu" or "full"
     runs: list[StudyRun]
     figures_dir: Path
+    order: str = "paired"
+    seeds: list[int] = field(default_factory=lambda: [0])
 
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
+
+    @property
+    def smooth(self) -> float:
+        return SMOOTH[self.scale]
+
+
+def order_overrides(order: str, seed: int, index: int) -> list[str]:
+    """The data.order_seed of run ``index`` (legend order) at ``seed`` under ``order`` (see the docstring)."""
+    if order == "paired":
+        return []  # data.order_seed unset: train.seed, the same for every configuration at this seed
+    if order == "shared":
+        return ["--data.order_seed=0"]
+    if order == "independent":
+        return [f"--data.order_seed={1000 + 10 * seed + index}"]
+    raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
 
 
 def plan_study(
@@ -90,38 +138,58 @@ def plan_study(
     runs_dir: str | Path = "runs",
     data: str | Path | None = None,
     steps: int | None = None,
-    name: str = CPU_STUDY_NAME,
+    name: str | None = None,
     extra: list[str] | None = None,
+    seeds: int | None = None,
+    order: str = "paired",
 ) -> Study:
-    """The four runs of the study at ``scale`` ("cpu": the recipes + CPU_OVERLAYS; "full": the recipes).
+    """The runs of the study at ``scale``: the four configurations x ``seeds`` (the scale's default when None).
 
-    ``data`` sets data.path (the recipes' own path is a placeholder), ``steps`` train.max_steps, and
-    ``extra`` (``section.key=value``) is applied last to every run.
+    ``data`` sets data.path (the recipes' own path is a placeholder), ``steps`` train.max_steps (with the
+    warmup a tenth of it and the evaluation and diagnostics about every tenth of it, at cpu and gpu
+    scale), ``extra`` (``section.key=value``) is applied last to every run.
     """
-    if scale not in ("cpu", "full"):
-        raise ValueError(f"scale={scale!r}: choose cpu or full")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
+    n_seeds = DEFAULT_SEEDS[scale] if seeds is None else seeds
+    if n_seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {n_seeds}")
     runs_dir = Path(runs_dir)
-    out = runs_dir / name if scale == "cpu" else runs_dir
+    out = runs_dir / (name or DEFAULT_NAMES[scale]) if scale != "full" else runs_dir
     runs = []
-    for stem in STUDY_RECIPES:
-        configs = [recipe_path(stem), *(CPU_OVERLAYS if scale == "cpu" else ())]
-        overrides = [f"--train.name={stem}_tiny"] if scale == "cpu" else []
-        overrides.append(f"--train.output_dir={out}")
-        if data is not None:
-            overrides.append(f"--data.path={data}")
-        if steps is not None:
-            overrides.append(f"--train.max_steps={steps}")
-            if scale == "cpu":  # keep the CPU warmup a tenth of the run, and the one checkpoint at its end
-                overrides += [
-                    f"--optim.warmup_steps={max(1, steps // 10)}",
-                    f"--train.checkpoint_every={steps}",
-                ]
-        overrides += as_overrides(extra or [])
-        runs.append(StudyRun(configs, merge_overrides(overrides)))
-    study = Study(scale, runs, out / "figures" if scale == "cpu" else runs_dir / FULL_FIGURES)
+    for seed in range(n_seeds):
+        for index, stem in enumerate(STUDY_RECIPES):
+            configs = [recipe_path(stem), *SCALE_OVERLAYS[scale]]
+            if scale == "full":
+                run_name = stem if n_seeds == 1 else f"{stem}_s{seed}"
+            else:
+                run_name = f"{stem}_{RUN_SUFFIX[scale]}_s{seed}"
+            overrides = [f"--train.name={run_name}", f"--train.output_dir={out}", f"--train.seed={seed}",
+                         *order_overrides(order, seed, index)]
+            if data is not None:
+                overrides.append(f"--data.path={data}")
+            if steps is not None:
+                overrides.append(f"--train.max_steps={steps}")
+                if scale != "full":
+                    overrides += _short_run_overrides(configs, [*overrides, *as_overrides(extra or [])], steps)
+            overrides += as_overrides(extra or [])
+            runs.append(StudyRun(configs, merge_overrides(overrides), stem, seed))
+    figures = out / "figures" if scale != "full" else runs_dir / FULL_FIGURES
+    study = Study(scale, runs, figures, order, list(range(n_seeds)))
     for run in runs:
         run.config()  # fail now, before hours of training, if any override is wrong
     return study
+
+
+def _short_run_overrides(configs: list[Path], overrides: list[str], steps: int) -> list[str]:
+    """--steps at cpu/gpu scale: warmup a tenth of the run, one checkpoint at its end, evaluation and
+    diagnostics about every tenth of it (a multiple of train.log_every, as the config requires)."""
+    log_every = load_config(configs, overrides).train.log_every
+    every = max(log_every, (steps // 10) // log_every * log_every)
+    return [f"--optim.warmup_steps={max(1, steps // 10)}", f"--train.checkpoint_every={steps}",
+            f"--train.eval_every={every}", f"--train.diagnostics_every={every}"]
 
 
 def merge_overrides(overrides: list[str]) -> list[str]:
@@ -144,7 +212,16 @@ def plot_command(study: Study) -> list[str]:
         *(shown(d) for d in study.run_dirs()),
         "--out",
         shown(study.figures_dir),
+        "--bands",
+        "--extra",
+        "--smooth",
+        str(study.smooth),
     ]
+
+
+def claims_command(study: Study) -> list[str]:
+    return ["python", "-m", "musiclm_stab.analysis.claims",
+            *(shown(d) for d in study.run_dirs()), "--out", shown(study.figures_dir)]
 
 
 def summarize(run_dir: Path, last: int = 10) -> dict:
@@ -152,11 +229,15 @@ def summarize(run_dir: Path, last: int = 10) -> dict:
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
-    out = {"label": run.label, "steps": run.last_step, "skipped_steps": int(len(run.skipped_steps))}
-    for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0")):
+    train = run.config.get("train") or {}
+    out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "steps": run.last_step,
+           "skipped_steps": int(len(run.skipped_steps))}
+    for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0"),
+                        ("eval_loss", "eval/loss"), ("eval_cb0", "eval/acoustic_mlm_loss/cb0")):
         series = run.metric(metric)
         out[f"first_{key}"] = float(series[1][0]) if series else math.nan
-        out[f"final_{key}"] = float(series[1][-last:].mean()) if series else math.nan
+        out[f"final_{key}"] = float(series[1][-last:].mean()) if series and not key.startswith("eval") else (
+            float(series[1][-1]) if series else math.nan)
     norms = run.metric("grad_norm")
     out["grad_norm_min"] = float(norms[1].min()) if norms else math.nan
     out["grad_norm_max"] = float(norms[1].max()) if norms else math.nan
@@ -167,14 +248,14 @@ def summarize(run_dir: Path, last: int = 10) -> dict:
 
 def format_summary(rows: list[dict]) -> str:
     head = (
-        f"{'run':<44} {'steps':>5} {'loss first->final':>19} {'musical':>8} {'cb0':>7} "
+        f"{'run':<44} {'seed':>4} {'steps':>5} {'loss first->final':>19} {'cb0':>7} {'eval cb0':>8} "
         f"{'grad norm min..max@step (final)':>33} {'skipped':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['label']:<44} {r['steps'] or 0:>5} {r['first_loss']:>8.3f} -> {r['final_loss']:>7.3f} "
-            f"{r['final_musical']:>8.4f} {r['final_cb0']:>7.3f} "
+            f"{r['label']:<44} {r.get('seed') or 0:>4} {r['steps'] or 0:>5} {r['first_loss']:>8.3f} -> "
+            f"{r['final_loss']:>7.3f} {r['final_cb0']:>7.3f} {r['final_eval_cb0']:>8.3f} "
             f"{r['grad_norm_min']:>9.2f} ..{r['grad_norm_max']:>7.2f}@{r['grad_norm_max_step'] or 0:<5} "
             f"({r['grad_norm_final']:>6.2f}) "
             f"{r['skipped_steps']:>7}"
@@ -182,53 +263,126 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_study(study: Study, accelerate: str | None = None, threads: int | None = None) -> list[Path]:
-    """Train the study's runs one after another through ``accelerate launch``, then draw the figures.
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_study(study: Study, accelerate: str | None = None, threads: int | None = None, jobs: int = 1,
+              formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False) -> list[Path]:
+    """Train the study's runs through ``accelerate launch``, ``jobs`` at a time, then draw the figures
+    (seed bands, every codebook, attention logits, held-out curves) and write the claims table.
 
     ``threads`` sets OMP_NUM_THREADS of the runs (None: leave the environment as it is). Returns the
-    written figure files. Progress: a banner per run, the trainer's step bar, and after each
-    run its final numbers, the elapsed time and an estimate of the time left.
+    written files. Progress: a banner per run; with ``jobs`` 1 the trainer's own output, else one log file
+    per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
+    wall time of each run and of the whole study, and the CPU time of the runs. ``probe``: linear probes
+    (analysis/probe.py, pitch task) of every run's final checkpoint before the claims table, which then
+    has their best-layer pitch mAP per configuration; needs the corpus's labels.jsonl.
     """
+    from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.analysis.plot import plot_runs, run_label
 
     accelerate = accelerate or accelerate_executable()
-    for run in study.runs:  # refuse before training anything
-        if run_state(run.config()) == "other":
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    configs = [run.config() for run in study.runs]
+    for cfg in configs:  # refuse before training anything
+        if run_state(cfg) == "other":
             raise ConfigError(
-                f"{run.config().run_dir} holds a run with another config; remove it or choose "
-                f"another --runs / --name"
+                f"{cfg.run_dir} holds a run with another config; remove it or choose another --runs / --name"
             )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    t0, rows = time.time(), []
+    t0, cpu0 = time.time(), _children_cpu_s()
     n = len(study.runs)
-    for i, run in enumerate(study.runs):
-        cfg = run.config()
-        print(f"\n=== study run {i + 1}/{n}: {run_label(cfg.to_dict())} -> {cfg.run_dir}", flush=True)
+    rows: dict[int, dict] = {}
+    walls: dict[str, float] = {}
+    logs = study.figures_dir.parent / "logs"
+    pending = list(range(n))
+    active: dict[int, tuple[subprocess.Popen, float, object]] = {}
+
+    def start(i: int) -> None:
+        run, cfg = study.runs[i], configs[i]
+        print(f"\n=== study run {i + 1}/{n}: {run_label(cfg.to_dict())} (seed {run.seed}) -> {cfg.run_dir}",
+              flush=True)
         resume = run_state(cfg) != "new"
         if resume:
             print("(this run directory exists with the same config: resuming it)")
-        cmd = run.command(accelerate, single_process=study.scale == "cpu", resume=resume)
+        cmd = run.command(accelerate, single_process=study.scale != "full", resume=resume)
         print(shlex.join(cmd), flush=True)
-        started = time.time()
-        subprocess.run(cmd, check=True, env=env)
-        rows.append(summarize(cfg.run_dir))
-        r, took = rows[-1], time.time() - started
-        left = (time.time() - t0) / (i + 1) * (n - i - 1)
+        if jobs == 1:
+            active[i] = (subprocess.Popen(cmd, env=env), time.time(), None)
+        else:
+            logs.mkdir(parents=True, exist_ok=True)
+            log = (logs / f"{cfg.run_dir.name}.log").open("w")
+            print(f"(output: {log.name})", flush=True)
+            active[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), time.time(), log)
+
+    def finish(i: int, proc: subprocess.Popen, started: float, log) -> None:
+        if log is not None:
+            log.close()
+        if proc.returncode != 0:
+            for other, (p, _, lg) in active.items():  # stop the others: the study is incomplete anyway
+                if other != i and p.poll() is None:
+                    p.terminate()
+                    p.wait()
+                if lg is not None:
+                    lg.close()
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+        cfg = configs[i]
+        rows[i] = r = summarize(cfg.run_dir)
+        walls[cfg.run_dir.name] = took = time.time() - started
+        done = len(rows)
+        left = (time.time() - t0) / done * (n - done) if done else 0.0
         print(
-            f"--- run {i + 1}/{n} done in {took:.0f} s: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}, "
-            f"grad norm {r['grad_norm_min']:.2f}..{r['grad_norm_max']:.2f}; "
-            f"about {left / 60:.1f} min left",
+            f"--- run {i + 1}/{n} ({cfg.run_dir.name}) done in {took:.0f} s: loss {r['first_loss']:.3f} -> "
+            f"{r['final_loss']:.3f}, grad norm {r['grad_norm_min']:.2f}..{r['grad_norm_max']:.2f}; "
+            f"{done}/{n} done, about {left / 60:.1f} min left",
             flush=True,
         )
-    print(f"\n=== figures -> {study.figures_dir}", flush=True)
-    written = plot_runs(study.run_dirs(), study.figures_dir)
-    (study.figures_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print(format_summary(rows))
-    print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min. Figures:")
+
+    while pending or active:
+        while pending and len(active) < jobs:
+            start(pending.pop(0))
+        if jobs == 1:
+            for proc, _, _ in active.values():
+                proc.wait()
+        else:
+            time.sleep(0.5)
+        for i in list(active):
+            proc, started, log = active[i]
+            if proc.poll() is not None:
+                del active[i]
+                finish(i, proc, started, log)
+    train_wall, train_cpu = time.time() - t0, _children_cpu_s() - cpu0
+
+    run_dirs = [cfg.run_dir for cfg in configs]
+    if probe:
+        from musiclm_stab.analysis.probe import probe_runs
+
+        print("\n=== linear probes (pitch) of every run's final checkpoint", flush=True)
+        probe_runs(run_dirs, tasks=("pitch",))
+    print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
+    written = plot_runs(run_dirs, study.figures_dir, smooth=study.smooth, bands=True, extra=True, formats=formats)
+    summary = [rows[i] for i in range(n)]
+    (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary))
+    try:
+        md, js = write_claims(run_dirs, study.figures_dir)
+        written += [md, js]
+        print("\n" + md.read_text())
+    except ValueError as e:  # e.g. a study of fewer configurations: figures without the claims table
+        warnings.warn(f"no claims table: {e}", stacklevel=2)
+    timing = {"scale": study.scale, "runs": n, "jobs": jobs, "threads_per_run": threads,
+              "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1),
+              "total_wall_s": round(time.time() - t0, 1), "run_wall_s": {k: round(v, 1) for k, v in walls.items()}}
+    (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+    print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
+          f"{train_cpu / 60:.1f} min CPU). Figures:")
     for path in written:
-        if path.suffix == ".png":
+        if path.suffix in (".png", ".md"):
             print(f"  {path}")
     return written
 
@@ -237,37 +391,49 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab study", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--scale",
-        choices=("cpu", "full"),
+        choices=SCALES,
         default="cpu",
-        help="cpu: the four runs at tiny size on CPU (default); full: the recipes as written",
+        help="cpu: CPU size, 3 seeds (default); gpu: base size on one CUDA GPU; full: the recipes as written",
     )
     p.add_argument(
         "--print-only",
         action="store_true",
-        help="print the accelerate launch lines and the plot line (for a cluster), run nothing",
+        help="print the accelerate launch lines and the plot and claims lines (for a cluster), run nothing",
     )
     p.add_argument("--steps", type=int, help="train.max_steps of every run (default: the scale's)")
+    p.add_argument("--seeds", type=int, help="seeds per configuration, 0..N-1 (default: cpu 3, gpu 1, full 1)")
+    p.add_argument("--order", choices=ORDERS, default="paired",
+                   help="data order across runs (default paired: one order per seed, shared by its runs)")
+    p.add_argument("--jobs", type=int, help="runs trained at a time (default: cpu 2, else 1)")
+    p.add_argument("--probe", action="store_true",
+                   help="linear probes (pitch) of every run before the claims table (needs the corpus's labels)")
     p.add_argument("--runs", default="runs", help="folder for run directories (default: runs)")
-    p.add_argument("--name", default=CPU_STUDY_NAME, help="cpu scale: the study's folder under --runs")
+    p.add_argument("--name", help="cpu/gpu scale: the study's folder under --runs (default study_cpu / study_gpu)")
     add_job_options(p, "; cpu scale only")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.seeds is not None and args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    if args.jobs is not None and args.jobs < 1:
+        p.error("--jobs must be >= 1")
 
     data = args.data
-    if data is None and args.scale == "cpu" and not args.print_only:
+    if data is None and args.scale != "full" and not args.print_only:
         data = str(default_data(args.work))
-    elif data is None and args.scale == "cpu":
+    elif data is None and args.scale != "full":
         data = str(Path(args.work) / "default_corpus_tokens")
     try:
-        study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra)
+        study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order)
+        threads = args.threads if args.scale == "cpu" and args.threads > 0 else None
         if args.print_only:
-            env = f"OMP_NUM_THREADS={args.threads} " if args.scale == "cpu" and args.threads > 0 else ""
+            env = f"OMP_NUM_THREADS={threads} " if threads else ""
             for run in study.runs:
-                print(env + shlex.join(run.command(single_process=args.scale == "cpu")))
+                print(env + shlex.join(run.command(single_process=args.scale != "full")))
             print(shlex.join(plot_command(study)))
+            print(shlex.join(claims_command(study)))
             return 0
-        run_study(study, threads=args.threads if args.scale == "cpu" and args.threads > 0 else None)
+        run_study(study, threads=threads, jobs=args.jobs or DEFAULT_JOBS[args.scale], probe=args.probe)
     except ConfigError as e:
         print(f"musiclm-stab study: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU study in one sitting: data preparation (render the default corpus, local EnCodec weights,
+# tokenize), the four study configurations at base size in fp16 (recipes/overlays/study_gpu.yaml), the
+# figures and the claims table; one archive of the results. Meant for one CUDA GPU with nothing to
+# download: the packages the machine lacks travel as wheels in .whl/ (benchmarks/study_gpu_wheels.sh
+# fetches them where pip works; about 40 MB), the soundfont in pretty_midi's wheel.
+#
+#   bash benchmarks/study_gpu.sh OUT [musiclm-stab study options ...]
+#
+# OUT gets study_gpu.tar.gz (figures, claims.md/json, summary.json, timing.json, every run's config.yaml
+# and metrics.jsonl) and study_gpu.log (everything printed, with the time of each stage). Options after
+# OUT go to `musiclm-stab study --scale gpu` (e.g. --steps 600 --seeds 2 --jobs 2, or --data TOKENS to skip
+# the data preparation). Environment: PYTHON (default python3); STUDY_ALLOW_CPU=1 runs without a GPU
+# (the test suite runs this script at tiny size on CPU that way).
+set -euo pipefail
+OUT=${1:?usage: bash benchmarks/study_gpu.sh OUT [study options ...]}
+shift
+PYTHON=${PYTHON:-python3}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/study_gpu.log"
+cd "$REPO"
+
+stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+: >"$LOG"
+START=$(date +%s)
+if [ -d .whl ] && compgen -G ".whl/*" >/dev/null; then
+    stamp "installing $(ls .whl | wc -l) carried packages into /tmp/site"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# accelerate's launcher beside this Python, else on PATH; the study finds it the same way.
+"$PYTHON" - <<'EOF' 2>&1 | tee -a "$LOG"
+import os, torch
+gpu = torch.cuda.is_available()
+print(f"torch {torch.__version__}, CUDA {'yes: ' + torch.cuda.get_device_name(0) if gpu else 'no'}")
+if not gpu and os.environ.get("STUDY_ALLOW_CPU") != "1":
+    raise SystemExit("no CUDA GPU: the gpu scale trains in fp16 (set STUDY_ALLOW_CPU=1 with a CPU override to test)")
+EOF
+
+stamp "study: $PYTHON -m musiclm_stab.cli study --scale gpu --work $OUT/work --runs $OUT/runs $*"
+set +e
+"$PYTHON" -m musiclm_stab.cli study --scale gpu --work "$OUT/work" --runs "$OUT/runs" "$@" 2>&1 | tee -a "$LOG"
+STATUS=${PIPESTATUS[0]}
+set -e
+stamp "study exited with $STATUS after $(( $(date +%s) - START )) s"
+
+# One archive (the device tool returns few files): figures, tables, and each run's config and metrics.
+STUDY_DIR="$OUT/runs/study_gpu"
+for arg in "$@"; do case "$arg" in --name=*) STUDY_DIR="$OUT/runs/${arg#--name=}";; esac; done
+if [ -d "$STUDY_DIR" ]; then
+    (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' figures \
+        $(ls -d */config.yaml */metrics.jsonl logs 2>/dev/null))
+    stamp "results: $OUT/study_gpu.tar.gz ($(du -h "$OUT/study_gpu.tar.gz" | cut -f1))"
+fi
+exit "$STATUS"
