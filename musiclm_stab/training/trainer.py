@@ -3,7 +3,8 @@
 One optimizer update ("step") = ``train.grad_accum`` micro-batches. Per step: forward/backward under the
 configured mixed precision, total gradient norm measured *before* clipping, clipping, non-finite steps
 skipped (no parameter or optimizer-state change), AdamW + warmup/linear-decay schedule. Metrics (names as
-in DESIGN.md) go to ``metrics.jsonl`` and TensorBoard; checkpoints are accelerate states, written aside and
+in DESIGN.md) go to ``metrics.jsonl`` and the ``train.trackers`` (TensorBoard by default), with the held-out
+``eval/*`` metrics every ``train.eval_every`` steps; checkpoints are accelerate states, written aside and
 moved into place so a checkpoint directory is either complete or absent.
 
 Launch: ``accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--section.key=value ...]``
@@ -27,9 +28,10 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from tqdm.auto import tqdm
 
 from musiclm_stab.config import Config, ConfigError, load_config
-from musiclm_stab.data.loader import build_data, micro_batches
+from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint
+from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
 from musiclm_stab.training.run_dir import (
     MetricsWriter,
@@ -47,13 +49,18 @@ from musiclm_stab.training.stability import (
 
 DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data", "eval_fraction"),
                       ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))
+# data.order_seed is part of the data position too, compared by its effective value (load_checkpoint).
+PROJECT = "musiclm_stab"  # the trackers' project (wandb project, MLflow experiment; TensorBoard's subfolder)
+# torch's Optimizer.load_state_dict restores each param group's hyperparameters from the checkpoint (and the
+# scheduler its base lr), so a change of these on --resume would be silently ignored: refused instead.
+OPTIMIZER_STATE_KEYS = (("optim", "lr"), ("optim", "betas"), ("optim", "eps"), ("optim", "weight_decay"))
 
 
 class Trainer:
     """The training loop's state and its two halves: ``train_step`` (micro-batches) and ``update``."""
 
     def __init__(self, cfg: Config, resume: bool = False):
-        self.cfg = cfg
+        self.cfg = cfg = cfg.resolved()  # per-size values and the warmup filled in (load_config's already are)
         tcfg, ocfg = cfg.train, cfg.optim
         if tcfg.mixed_precision == "fp16" and not torch.cuda.is_available():
             raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU accelerate neither autocasts "
@@ -61,9 +68,12 @@ class Trainer:
                               "(the fp16 behaviour of the attention forms is tested on fp16 tensors).")
         self.accelerator = accelerator = Accelerator(
             mixed_precision=tcfg.mixed_precision,
-            log_with="tensorboard",
-            # The CQT kernels are constant buffers: no need to broadcast them every step under DDP.
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+            log_with=tracker_names(tcfg.trackers),
+            # The CQT kernels are constant buffers: no need to broadcast them every step under DDP. With
+            # layerdrop a step may skip layers, whose parameters then get no gradient: DDP must look for them
+            # (as MERT's find_unused_parameters: true), or it stops waiting for their reduction.
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False,
+                                                           find_unused_parameters=cfg.model.layerdrop > 0)],
             # Our schedule counts optimizer updates: one scheduler step per update at any process count
             # (by default accelerate steps it once per process).
             step_scheduler_with_optimizer=False,
@@ -77,7 +87,11 @@ class Trainer:
                 "(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N ...); with GPUs use accelerate launch.")
         set_seed(tcfg.seed + 1000 * tcfg.run)
         tokenizer_info: dict = {}
-        loader, self.epoch_objects = build_data(cfg, accelerator, tokenizer_info)
+        loader, self.epoch_objects, held_out = build_data(cfg, accelerator, tokenizer_info)
+        # This process's share of the held-out batches (train.eval_every), the same batches at any count.
+        self.eval_loader = None if held_out is None else held_out_loader(
+            cfg, held_out, max_batches=tcfg.eval_batches, rank=accelerator.process_index,
+            world_size=accelerator.num_processes)
         check_run_dir(cfg, resume, tokenizer_info)
         self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
         accelerator.wait_for_everyone()  # every process has checked the run directory before it is written
@@ -101,6 +115,10 @@ class Trainer:
                 model, optimizer, loader, scheduler)
         self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
         accelerator.register_for_checkpointing(self.clipper, self.guard)
+        # Checkpoints written by a thread after a fast CPU copy of the state (checkpoint.CheckpointWriter).
+        # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
+        # a rollback, and the writer's wait before one is collective.
+        self.checkpoints = checkpoint.CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         if resume:
@@ -125,11 +143,26 @@ class Trainer:
             raise ConfigError(f"{ckpt} was written by {saved} process(es); resume it with {saved} (its data "
                               f"position and RNG states are per process), not {self.accelerator.num_processes}")
         then, now = state.get("config") or {}, self.cfg.to_dict()
-        changed = [f"{sec}.{key}: {then[sec][key]!r} in the checkpoint, {now[sec][key]!r} now"
-                   for sec, key in DATA_POSITION_KEYS if key in then.get(sec, {}) and then[sec][key] != now[sec][key]]
-        if changed:
+
+        def changed(keys) -> list[str]:
+            return [f"{sec}.{key}: {then[sec][key]!r} in the checkpoint, {now[sec][key]!r} now"
+                    for sec, key in keys if key in then.get(sec, {}) and then[sec][key] != now[sec][key]]
+
+        def order_seed(c: dict) -> int | None:
+            seed = c.get("data", {}).get("order_seed")
+            return c.get("train", {}).get("seed") if seed is None else seed
+
+        moved = changed(DATA_POSITION_KEYS)
+        if order_seed(then) != order_seed(now):
+            moved.append(f"data.order_seed (null: train.seed): {order_seed(then)!r} in the checkpoint, "
+                         f"{order_seed(now)!r} now")
+        if moved:
             raise ConfigError(f"cannot resume {ckpt} exactly: settings that define its data position changed\n  "
-                              + "\n  ".join(changed) + "\nset them back, or start a new run (another --train.name)")
+                              + "\n  ".join(moved) + "\nset them back, or start a new run (another --train.name)")
+        if moved := changed(OPTIMIZER_STATE_KEYS):
+            raise ConfigError(f"cannot resume {ckpt} with changed optimizer settings: the optimizer state "
+                              "restores them from the checkpoint, so the change would be ignored\n  "
+                              + "\n  ".join(moved) + "\nset them back, or start a new run (another --train.name)")
         self.accelerator.load_state(str(ckpt))
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
@@ -153,7 +186,8 @@ class Trainer:
                     out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"], frame_weight=w)
                 loss = self.perturb_loss(step, out.loss)
                 acc.backward(loss / tcfg.grad_accum)
-            metrics = {**out.metrics(), "loss": loss.detach().float()}
+            out.loss = loss  # the loss as backpropagated (perturb_loss), logged in train.loss_unit
+            metrics = out.metrics(tcfg.loss_unit)
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value / tcfg.grad_accum
         diag = {}
@@ -183,6 +217,25 @@ class Trainer:
             return torch.ones((), device=mask.device)
         n = mask.sum().float()
         return n / self.accelerator.reduce(n.clone(), reduction="mean").clamp_min(1.0)
+
+    def evaluate_held_out(self) -> dict[str, float]:
+        """{"eval/<metric>": value} on the held-out batches, as ``musiclm-stab evaluate`` computes them (in
+        the run's mixed precision, which the prepared model applies), every process evaluating its share and
+        the sums reduced over processes (weighted by masked frames). Dropout off; the model's train/eval
+        mode and the global RNG states (CPU and this process's GPU) are restored, so training goes on
+        exactly as without the evaluation."""
+        acc = self.accelerator
+        model = acc.unwrap_model(self.model)
+        was_training = model.training
+        gpus = [acc.device] if acc.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus, device_type="cuda"):
+            model.eval()
+            try:
+                metrics, _ = held_out_metrics(model, self.eval_loader, self.cfg.model, self.cfg.train.loss_unit,
+                                              acc.device, reduce_sum=lambda t: acc.reduce(t, reduction="sum"))
+            finally:
+                model.train(was_training)
+        return metrics
 
     def update(self) -> dict:
         """Clip and apply the accumulated gradients, unless they are non-finite. Advances the step.
@@ -222,6 +275,7 @@ class Trainer:
             self.guard.observe(step_loss)
             return False
         spike_step = self.step
+        self.checkpoints.wait()  # a checkpoint still being written is a candidate too
         earlier = [c for c in checkpoint.list_checkpoints(self.run_dir)
                    if checkpoint.checkpoint_step(c) < spike_step and checkpoint.verify(c) is None]
         if not earlier or self.rollbacks >= tcfg.max_rollbacks:
@@ -243,7 +297,10 @@ class Trainer:
 
     def run(self) -> Path:
         cfg, tcfg, acc = self.cfg, self.cfg.train, self.accelerator
-        acc.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
+        # Named after the run where a tracker has runs (wandb, MLflow); TensorBoard writes <run>/musiclm_stab/.
+        acc.init_trackers(PROJECT, config=_flat(cfg.to_dict()),
+                          init_kwargs={"wandb": {"name": tcfg.name, "dir": str(self.run_dir)},
+                                       "mlflow": {"run_name": tcfg.name}})
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
@@ -259,8 +316,10 @@ class Trainer:
         self.model.train()
         stop = StopSignal()
         while self.step < last_step:
+            self.checkpoints.poll()  # publish a background checkpoint write that has finished; never waits
             if stop.requested(acc):
                 ckpt = self.save_checkpoint()
+                self.checkpoints.wait()
                 acc.print(f"stopped by {stop.name} at step {self.step}; checkpoint {ckpt}. Resume with the same "
                           "command and --resume.")
                 break
@@ -279,6 +338,8 @@ class Trainer:
 
             if self.step % tcfg.log_every == 0 or self.step == last_step:
                 row = self.metrics_row(sums, interval, diag)
+                if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps):
+                    row.update(self.evaluate_held_out())  # after the row's clock: not in audio_s_per_s
                 writer.write(row)
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
@@ -292,6 +353,7 @@ class Trainer:
                 continue  # never checkpoint the spiked state
             if self.step % tcfg.checkpoint_every == 0 or self.step == last_step:
                 self.save_checkpoint()
+        self.checkpoints.wait()  # the last checkpoint is complete before the run ends
         bar.close()
         stop.restore()
         acc.end_training()
@@ -303,8 +365,7 @@ class Trainer:
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
                  "config": self.cfg.to_dict(),
                  "tokenizer_sha256": self.tokenizer_sha256}
-        return checkpoint.save(self.accelerator, self.run_dir, self.step, state, self.cfg.train.keep_checkpoints,
-                               self.cfg.train.keep_every)
+        return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every)
 
     def metrics_row(self, sums: dict[str, torch.Tensor], interval: dict, diag: dict) -> dict:
         """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
@@ -360,6 +421,32 @@ def train(cfg: Config, resume: bool = False) -> Path:
     return Trainer(cfg, resume).run()
 
 
+def tracker_names(trackers: list[str]) -> list[str] | None:
+    """accelerate's ``log_with`` for ``train.trackers``; a ConfigError naming any that is not installed
+    (accelerate would silently leave it out)."""
+    from accelerate.tracking import get_available_trackers
+
+    if not trackers:
+        return None
+    installed = [str(t) for t in get_available_trackers()]
+    if "all" in trackers:
+        trackers = installed
+    missing = [t for t in trackers if t not in installed]
+    if missing:
+        raise ConfigError(f"train.trackers: {', '.join(missing)} not installed (installed: "
+                          f"{', '.join(installed) or 'none'}); install its package, or leave it out of "
+                          "train.trackers")
+    if "mlflow" in trackers:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+        if uri.startswith("file:") or "://" not in uri:  # a folder: MLflow's file store
+            raise ConfigError(f"train.trackers: mlflow's tracking URI {uri} is a file store, which cannot hold "
+                              "both acoustic_mlm_loss and acoustic_mlm_loss/cb0 (a metric that is also a folder); "
+                              "set MLFLOW_TRACKING_URI to a database (sqlite:///PATH/mlflow.db) or a server")
+    return list(dict.fromkeys(trackers))
+
+
 def new_interval() -> dict:
     return {"steps": 0, "skipped": 0, "overflow": 0, "clipped": 0, "grad_norm": 0.0, "t0": time.perf_counter()}
 
@@ -396,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rest if not (r.startswith("--") and "=" in r)]
     if bad:
         parser.error(f"unrecognized arguments {bad}; overrides look like --section.key=value")
-    from musiclm_stab.tokenize import TokenizerMismatch
+    from musiclm_stab.data.tokenized import TokenizerMismatch
 
     try:
         cfg = load_config(args.config, rest)
