@@ -11,11 +11,12 @@ import sys
 # subcommand -> (module, one-line help). Each module exposes ``cli_main(argv) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
     "build-corpus": ("musiclm_stab.corpus.build", "render the default corpus of real music (offline)"),
-    "make-weights": ("musiclm_stab.encodec_weights", "make local EnCodec weights with fitted codebooks"),
-    "tokenize": ("musiclm_stab.tokenize", "tokenize audio into EnCodec codes, as an HF dataset"),
+    "make-weights": ("musiclm_stab.tokenizer.fit", "make local EnCodec weights with fitted codebooks"),
+    "tokenize": ("musiclm_stab.tokenizer.pipeline", "tokenize audio into EnCodec codes, as an HF dataset"),
     "evaluate": ("musiclm_stab.analysis.evaluate", "held-out loss per codebook of a run or checkpoint"),
     "plot": ("musiclm_stab.analysis.plot", "the stability study's figures from run directories"),
-    "study": ("musiclm_stab.experiments.study", "the whole stability study: four runs, then its figures (cpu or full scale)"),
+    "probe": ("musiclm_stab.analysis.probe", "linear probes per layer (pitch, key, instrument) with labels from the scores"),
+    "study": ("musiclm_stab.experiments.study", "the stability study: four configurations over seeds, figures and the claims table (cpu, gpu or full scale)"),
     "sweep": ("musiclm_stab.experiments.sweep", "learning-rate sensitivity sweep over norm schemes (Wortsman et al. 2023)"),
     "export": ("musiclm_stab.export.hubert", "export an encoder to transformers.HubertModel, verified layer by layer"),
     "features": ("musiclm_stab.export.feature_files", "75 Hz per-layer features of audio of any length (chunked), to .npy"),
