@@ -171,14 +171,12 @@ def final_eval(run: RunMetrics, metric: str = "eval/loss") -> float:
 def probe_score(run: RunMetrics) -> float:
     """Best-layer pitch mAP of the run's linear probes (``musiclm-stab probe``), NaN when not probed.
 
-    The hook for the probe column: reads RUN/probe/probe.json when the probe module and its file exist.
+    The probe column: reads RUN/probe/probe.json when the run has been probed.
     """
+    from musiclm_stab.analysis.probe import best_layer, read_probe  # here: the probe stack is heavier
+
     path = Path(run.path) / "probe" / "probe.json"
     if not path.is_file():
-        return math.nan
-    try:
-        from musiclm_stab.analysis.probe import best_layer, read_probe
-    except ImportError:
         return math.nan
     score, _ = best_layer(read_probe(run.path), task="pitch", features="model")
     return float(score)
