@@ -36,7 +36,9 @@ def probe_figure(results: Sequence[dict], tasks: Sequence[str] | None = None,
     if not results:
         raise ValueError("no probe results to plot")
     tasks = list(tasks or results[0]["tasks"])
-    rows_of_legend = -(-(2 * len(results) + len(FLAT_BASELINES)) // 3)  # below the panels, 3 entries a row
+    # The legend sits below the panels, one column per panel (at most 3): the study's legend texts are long.
+    ncols = max(1, min(len(tasks), 3))
+    rows_of_legend = -(-(2 * len(results) + len(FLAT_BASELINES)) // ncols)
     fig = Figure(figsize=(4.2 * len(tasks), 3.8 + 0.2 * rows_of_legend), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(tasks), squeeze=False)[0]
@@ -69,7 +71,8 @@ def probe_figure(results: Sequence[dict], tasks: Sequence[str] | None = None,
         ax.set_title(TASK_TEXT.get(task, task))
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()  # every panel draws the same lines
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(ncols, len(labels)), fontsize=8,
+               frameon=False)
     return fig
 
 
