@@ -3,6 +3,7 @@ peak memory against track length, and codes near segment boundaries against a wh
 
     .venv/bin/python benchmarks/bench_tokenize.py throughput --work /tmp/bench_tok --weights W --tracks 8 --repeats 2
     .venv/bin/python benchmarks/bench_tokenize.py memory --work /tmp/bench_tok --weights W --minutes 2 60 180
+    .venv/bin/python benchmarks/bench_tokenize.py memory --work /tmp/bench_tok --weights W --minutes 2 10 --memory-repeats 4
     .venv/bin/python benchmarks/bench_tokenize.py boundary --work /tmp/bench_tok --weights W --tracks 24
     .venv/bin/python benchmarks/bench_tokenize.py workers --work /tmp/bench_tok --weights W --minutes 20
 
@@ -17,9 +18,12 @@ batches of 8 10-s segments, tracks of 10 minutes or more cut into 5-minute piece
 share); its peak resident memory as the kernel counts it (ru_maxrss: the largest single process of the
 run, a worker), the sum over the process tree sampled every 0.1 s (which can miss a short peak), wall
 time, real-time factor, CPU time, and from the unit records how many units there were and how many
-worker processes encoded them. The peak is set by the encoder's activations for one batch (``--batch-size``
-segments), so compare tracks long enough to fill a batch (a 1-minute track has 6 segments: compare 2
-minutes with 60 and 180). ``--naive-minutes`` runs the naive whole-track encode on tracks of those
+worker processes encoded them, and the largest process's RSS at its highest in each tenth of the run (flat
+when nothing grows with time). The peak is set by the encoder's activations for one batch (``--batch-size``
+segments) and by how the heap fragments in a worker's first batches, which differs between identical
+runs: ``--memory-repeats N`` runs every length N times, in rounds, to show that scatter. Compare tracks
+long enough to fill a batch (a 1-minute track has 6 segments: compare 2 minutes with 60 and 180).
+``--naive-minutes`` runs the naive whole-track encode on tracks of those
 lengths for comparison (it grows with length: keep them short).
 workers: one long track (``--minutes``, the first value) tokenized whole by one worker
 (``--workers 1 --piece-seconds 0``: one unit, as before tracks were cut into pieces) and in pieces by
@@ -78,15 +82,25 @@ def run_measured(cmd: list[str]) -> dict:
     proc = subprocess.Popen([sys.executable, __file__, "maxrss-child", *cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak = 0
+    largest: list[tuple[float, int]] = []  # (time, RSS of the largest process then)
     ps = psutil.Process(proc.pid)
     while proc.poll() is None:
         try:
-            rss = sum(p.memory_info().rss for p in [ps, *ps.children(recursive=True)])
-            peak = max(peak, rss)
+            each = []
+            for p in [ps, *ps.children(recursive=True)]:
+                try:
+                    each.append(p.memory_info().rss)
+                except psutil.Error:  # a process that ended between listing and reading
+                    pass
+            peak = max(peak, sum(each))
+            largest.append((time.perf_counter() - t0, max(each, default=0)))
         except psutil.Error:
             pass
         time.sleep(0.1)
     wall = time.perf_counter() - t0
+    # the largest process's RSS at its highest in each tenth of the run: flat when nothing grows with time
+    tenths = [max((r for t, r in largest if i * wall / 10 <= t < (i + 1) * wall / 10), default=0) / 2**20
+              for i in range(10)]
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     output = proc.stdout.read()
     if proc.returncode:
@@ -94,7 +108,7 @@ def run_measured(cmd: list[str]) -> dict:
     cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     maxrss_kb = int(output.rstrip().splitlines()[-1].split()[-1])  # the wrapper's last line
     return {"wall_s": wall, "cpu_s": cpu, "peak_tree_rss_mb": peak / 2**20, "peak_process_rss_mb": maxrss_kb / 1024,
-            "load_before": load, "output": output}
+            "load_before": load, "largest_by_tenth_mb": [round(x) for x in tenths], "output": output}
 
 
 def maxrss_child(cmd: list[str]) -> None:
@@ -198,6 +212,8 @@ def memory(args, work: Path) -> dict:
         folder = work / f"long_{minutes:g}min"
         folder.mkdir(exist_ok=True)
         long_track(files, minutes, folder / f"track_{minutes:g}min.flac")
+    for repeat, minutes in ((rep, m) for rep in range(args.memory_repeats) for m in args.minutes):
+        folder = work / f"long_{minutes:g}min"
         out = work / f"tokens_long_{minutes:g}min"
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*CLI, "tokenize", str(folder), str(out), "--weights", weights, "--no-progress",
@@ -208,25 +224,33 @@ def memory(args, work: Path) -> dict:
         line = [x for x in r["output"].splitlines() if x.startswith("tokenized")]
         records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").glob("u*.json")]
         pids = {rec.get("pid") for rec in records}
-        row = {k: r[k] for k in ("wall_s", "cpu_s", "peak_process_rss_mb", "peak_tree_rss_mb", "load_before")}
-        row.update(minutes=minutes, x_realtime=minutes * 60 / r["wall_s"], units=len(records),
+        row = {k: r[k] for k in ("wall_s", "cpu_s", "peak_process_rss_mb", "peak_tree_rss_mb", "load_before",
+                                 "largest_by_tenth_mb")}
+        row.update(minutes=minutes, repeat=repeat, x_realtime=minutes * 60 / r["wall_s"], units=len(records),
                    worker_processes=len(pids - {None}))
-        results[f"ours_{minutes:g}min"] = row
+        results[f"ours_{minutes:g}min_{repeat}"] = row
         rows.append(row)
         print(f"ours  {minutes:5g} min track, --batch-size {args.batch_size}: peak RSS {r['peak_process_rss_mb']:.0f} MB "
               f"(sampled, process tree: {r['peak_tree_rss_mb']:.0f} MB), {r['wall_s']:.0f} s "
               f"({minutes * 60 / r['wall_s']:.2f}x real time, CPU {r['cpu_s']:.0f} s), {len(records)} units by "
               f"{row['worker_processes']} worker processes; load average before {r['load_before']:.1f}; "
+              f"largest process by tenth of the run (MB): {r['largest_by_tenth_mb']}; "
               f"{line[0] if line else ''}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     if rows:
         base = rows[0]["peak_process_rss_mb"]
-        print("| track | peak RSS (largest process) | vs first | time | real time factor | CPU | units / worker processes |")
-        print("|---|---|---|---|---|---|---|")
+        print("| track | repeat | peak RSS (largest process) | vs first | largest process, first / last tenth | time | "
+              "real time factor | CPU | units / worker processes |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for row in rows:
-            print(f"| {row['minutes']:g} min | {row['peak_process_rss_mb']:.0f} MB | "
-                  f"{100 * (row['peak_process_rss_mb'] / base - 1):+.1f}% | {row['wall_s']:.0f} s | "
-                  f"{row['x_realtime']:.1f}x | {row['cpu_s']:.0f} s | {row['units']} / {row['worker_processes']} |")
+            tenths = row["largest_by_tenth_mb"]
+            print(f"| {row['minutes']:g} min | {row['repeat']} | {row['peak_process_rss_mb']:.0f} MB | "
+                  f"{100 * (row['peak_process_rss_mb'] / base - 1):+.1f}% | {tenths[0]} / {tenths[-1]} MB | "
+                  f"{row['wall_s']:.0f} s | {row['x_realtime']:.1f}x | {row['cpu_s']:.0f} s | "
+                  f"{row['units']} / {row['worker_processes']} |")
+        for minutes in args.minutes:
+            peaks = [r["peak_process_rss_mb"] for r in rows if r["minutes"] == minutes]
+            print(f"{minutes:g} min: peak RSS over {len(peaks)} repeats {min(peaks):.0f}-{max(peaks):.0f} MB")
     for minutes in args.naive_minutes:
         folder = work / f"long_{minutes:g}min"
         folder.mkdir(exist_ok=True)
@@ -340,6 +364,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--minutes", type=float, nargs="+", default=[2, 60, 180])
     p.add_argument("--naive-minutes", type=float, nargs="*", default=[])
+    p.add_argument("--memory-repeats", type=int, default=1,
+                   help="memory: runs of each length, in rounds (the peak scatters between identical runs)")
     p.add_argument("--batch-size", type=int, default=8, help="memory: the tokenizer's --batch-size")
     p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
     p.add_argument("--piece-seconds", type=float, default=None,

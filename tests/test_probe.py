@@ -33,18 +33,12 @@ def rendered_tokens(tmp_path_factory, local_weights):
     return corpus, tokens
 
 
-@pytest.fixture(scope="module")
-def trained_run(rendered_tokens, tmp_path_factory):
-    """A tiny run of 2 steps on the rendered corpus (in-process Trainer): its run directory."""
+def train(cfg):
+    """Train ``cfg`` with the in-process Trainer; its run directory."""
     from accelerate.state import AcceleratorState, GradientState
 
     from musiclm_stab.training.trainer import Trainer
 
-    out = tmp_path_factory.mktemp("runs")
-    cfg = load_config("recipes/tiny.yaml", [
-        f"--data.path={rendered_tokens[1]}", f"--train.output_dir={out}", "--train.name=run",
-        "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1",
-        "--train.max_steps=2", "--train.checkpoint_every=2"])
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     try:
@@ -52,6 +46,16 @@ def trained_run(rendered_tokens, tmp_path_factory):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def trained_run(rendered_tokens, tmp_path_factory):
+    """A tiny run of 2 steps on the rendered corpus (in-process Trainer): its run directory."""
+    out = tmp_path_factory.mktemp("runs")
+    return train(load_config("recipes/tiny.yaml", [
+        f"--data.path={rendered_tokens[1]}", f"--train.output_dir={out}", "--train.name=run",
+        "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1",
+        "--train.max_steps=2", "--train.checkpoint_every=2"]))
 
 
 def test_labels_join_tokenized_segments_in_time(rendered_tokens):
@@ -129,6 +133,31 @@ def test_probe_scores_every_layer_and_baseline_deterministically(trained_run, re
             paired, metric = scores["vs_random_init"], probe.PRIMARY[task]
             assert paired["diff"] == pytest.approx(scores[metric] - result["results"]["random_init"][layer][task][metric])
             assert paired["ci95"][0] <= paired["diff"] <= paired["ci95"][1], (layer, task, paired)
+
+
+def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path):
+    """`study --probe`'s step: the pitch probes of seed 0 of each of the four configurations (not the other
+    seeds), against random init at the one L2 penalty, their figure among the study's figures, and the
+    claims table's probe column with one value per configuration."""
+    from musiclm_stab.analysis.claims import write_claims
+    from musiclm_stab.experiments.study import PROBE, plan_study, probe_study
+
+    study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, extra=[
+        "model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
+        "train.diagnostics_every=0"])
+    dirs = [train(run.config()) for run in study.runs]
+    figure = probe_study(study, progress=False)
+    assert figure == study.figures_dir / "probe.png" and figure.stat().st_size > 10_000
+    probed = [d for d in dirs if (d / "probe" / "probe.json").is_file()]
+    assert probed == [run.config().run_dir for run in study.runs if run.seed == 0] and len(probed) == 4
+    for d in probed:
+        result = probe.read_probe(d)
+        assert result["tasks"] == ["pitch"] and list(result["results"]) == ["model", "random_init"]
+        assert result["l2_grid"] == list(PROBE["l2_grid"]) and list(result["results"]["model"]) == ["0", "1"]
+    md, _ = write_claims(dirs, study.figures_dir)
+    row = next(line for line in md.read_text().splitlines() if line.startswith("| probe: best-layer pitch mAP"))
+    cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+    assert len(cells) == 4 and all(0.0 < float(c) <= 1.0 for c in cells), row  # one seed: a single value
 
 
 def test_held_out_tracks_never_reach_the_probe_that_scores_them():

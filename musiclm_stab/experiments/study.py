@@ -263,6 +263,28 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
+
+
+def probe_study(study: Study, progress: bool = True) -> Path:
+    """Linear pitch probes of the final checkpoint of seed 0 of each configuration, each against its own
+    random init, and their figure (``probe.png`` in the study's figures folder); returns the figure.
+
+    Seed 0 only, one task, one baseline and one L2 penalty (0.01, as the committed CPU study was probed;
+    ``musiclm-stab probe`` chooses among four by inner cross-validation, four times the fits) bound its
+    cost (timed in ``timing.json``). Each probed run gets RUN/probe/probe.json, which the claims table reads
+    for its probe column (one value per configuration: seed 0's).
+    """
+    from musiclm_stab.analysis.probe import probe_runs
+    from musiclm_stab.analysis.probe_figure import save_probe_figure
+
+    dirs = [run.config().run_dir for run in study.runs if run.seed == 0]
+    print(f"\n=== linear probes (pitch, against random init) of seed 0 of each configuration: {len(dirs)} runs",
+          flush=True)
+    results = probe_runs(dirs, progress=progress, **PROBE)
+    return save_probe_figure(results, study.figures_dir / "probe.png")
+
+
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -276,9 +298,9 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     ``threads`` sets OMP_NUM_THREADS of the runs (None: leave the environment as it is). Returns the
     written files. Progress: a banner per run; with ``jobs`` 1 the trainer's own output, else one log file
     per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
-    wall time of each run and of the whole study, and the CPU time of the runs. ``probe``: linear probes
-    (analysis/probe.py, pitch task) of every run's final checkpoint before the claims table, which then
-    has their best-layer pitch mAP per configuration; needs the corpus's labels.jsonl.
+    wall time of each run and of the whole study, and the CPU time of the runs. ``probe``: ``probe_study``
+    before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
+    needs the corpus's labels.jsonl.
     """
     from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.analysis.plot import plot_runs, run_label
@@ -359,13 +381,11 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     train_wall, train_cpu = time.time() - t0, _children_cpu_s() - cpu0
 
     run_dirs = [cfg.run_dir for cfg in configs]
-    if probe:
-        from musiclm_stab.analysis.probe import probe_runs
-
-        print("\n=== linear probes (pitch) of every run's final checkpoint", flush=True)
-        probe_runs(run_dirs, tasks=("pitch",))
+    t_probe = time.time()
+    written = [probe_study(study)] if probe else []
+    probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
-    written = plot_runs(run_dirs, study.figures_dir, smooth=study.smooth, bands=True, extra=True, formats=formats)
+    written += plot_runs(run_dirs, study.figures_dir, smooth=study.smooth, bands=True, extra=True, formats=formats)
     summary = [rows[i] for i in range(n)]
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
@@ -377,6 +397,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         warnings.warn(f"no claims table: {e}", stacklevel=2)
     timing = {"scale": study.scale, "runs": n, "jobs": jobs, "threads_per_run": threads,
               "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1),
+              "probe_wall_s": round(probe_wall, 1) if probe else None,
               "total_wall_s": round(time.time() - t0, 1), "run_wall_s": {k: round(v, 1) for k, v in walls.items()}}
     (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
@@ -406,7 +427,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
     p.add_argument("--jobs", type=int, help="runs trained at a time (default: cpu 2, else 1)")
     p.add_argument("--probe", action="store_true",
-                   help="linear probes (pitch) of every run before the claims table (needs the corpus's labels)")
+                   help="linear pitch probes of seed 0 of each configuration (figure probe.png and a column of the claims "
+                        "table; needs the corpus's labels)")
     p.add_argument("--runs", default="runs", help="folder for run directories (default: runs)")
     p.add_argument("--name", help="cpu/gpu scale: the study's folder under --runs (default study_cpu / study_gpu)")
     add_job_options(p, "; cpu scale only")
