@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "build-corpus": ("musiclm_stab.corpus.build", "render the default corpus of real music (offline)"),
     "make-weights": ("musiclm_stab.tokenizer.fit", "make local EnCodec weights with fitted codebooks"),
-    "tokenize": ("musiclm_stab.tokenizer.pipeline", "tokenize audio into EnCodec codes, as an HF dataset"),
+    "tokenize": ("musiclm_stab.tokenizer.cli", "tokenize audio into EnCodec codes, as an HF dataset"),
     "evaluate": ("musiclm_stab.analysis.evaluate", "held-out loss per codebook of a run or checkpoint"),
     "plot": ("musiclm_stab.analysis.plot", "the stability study's figures from run directories"),
     "probe": ("musiclm_stab.analysis.probe", "linear probes per layer (pitch, key, instrument) with labels from the scores"),

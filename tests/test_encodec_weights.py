@@ -13,6 +13,7 @@ import urllib.error
 import pytest
 import torch
 
+from musiclm_stab.threads import one_thread
 from musiclm_stab.tokenizer.fit import cli_main, codebook_usage, make_local_weights
 from musiclm_stab.tokenizer.kmeans import exact_grid, held_out_residual, kmeans, snap
 from musiclm_stab.tokenizer.weights import (
@@ -20,7 +21,6 @@ from musiclm_stab.tokenizer.weights import (
     WeightsUnavailable,
     _new_model,
     load_encodec,
-    one_thread,
     weights_sha256,
 )
 

@@ -12,20 +12,18 @@ import yaml
 from matplotlib.colors import same_color
 
 from musiclm_stab import cli
+from musiclm_stab.analysis.curves import ema, seed_curve
 from musiclm_stab.analysis.plot import (
     BAND_LABEL,
-    RAW_ALPHA,
     ROLLBACK_LABEL,
     SKIPPED_LABEL,
     PlotWarning,
-    StepFormatter,
-    ema,
     make_figures,
     plot_runs,
     read_run,
     run_label,
-    seed_curve,
 )
+from musiclm_stab.analysis.style import RAW_ALPHA, StepFormatter
 from musiclm_stab.config import Config, save_config
 
 STUDY_LABELS = [

@@ -7,19 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from musiclm_stab.analysis.claims import (
-    DOC_BEGIN,
-    DOC_END,
-    ROLES,
-    early_loss,
-    evaluate_claims,
-    fill_doc,
-    markdown,
-    median_grad_norm,
-    role_of,
-    spike_events,
-    write_claims,
-)
+from musiclm_stab.analysis.claim_stats import ROLES, early_loss, median_grad_norm, role_of, spike_events
+from musiclm_stab.analysis.claims import DOC_BEGIN, DOC_END, evaluate_claims, fill_doc, markdown, write_claims
 from musiclm_stab.analysis.runs import read_run
 from musiclm_stab.config import Config, load_config, save_config
 from musiclm_stab.experiments.study import CPU_OVERLAYS, STUDY_RECIPES, recipe_path

@@ -14,8 +14,9 @@ import soundfile as sf
 import torch
 
 from musiclm_stab.data.tokenized import TokenizerMismatch, check_same_tokenizer, load_tokenized
+from musiclm_stab.tokenizer.cli import cli_main
 from musiclm_stab.tokenizer.encode import encode_batch
-from musiclm_stab.tokenizer.pipeline import cli_main, tokenize
+from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.tokenizer.segments import segment_bounds
 from musiclm_stab.tokenizer.sources import TokenizeError
 from musiclm_stab.tokenizer.store import OutputMismatch

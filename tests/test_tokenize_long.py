@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-import musiclm_stab.audio as audio_mod
+import musiclm_stab.audio.reader as audio_reader
 from musiclm_stab.data.tokenized import load_tokenized
 from musiclm_stab.tokenizer.merge import merge_shards
 from musiclm_stab.tokenizer.pipeline import tokenize
@@ -61,7 +61,7 @@ def test_pieces_read_from_mid_file_give_the_rows_of_an_unsplit_run(rates_src, lo
     """With 0.7 s decode blocks, pieces of 2 s start mid-file (seek) at every sample rate; their rows equal
     an unsplit run's bit for bit, in the same order and with the same counts; the float and the short
     track stay whole units; shards (which take whole tracks) and their merge give the same rows."""
-    monkeypatch.setattr(audio_mod, "BLOCK_SECONDS", 0.7)  # in this process: workers=0
+    monkeypatch.setattr(audio_reader, "BLOCK_SECONDS", 0.7)  # in this process: workers=0
     kw = dict(weights=str(local_weights), workers=0, **KW)
     whole = tokenize(rates_src, tmp_path / "whole", piece_seconds=None, **kw)
     split = tokenize(rates_src, tmp_path / "split", piece_seconds=2.0, **kw)

@@ -14,7 +14,7 @@ import pytest
 import soundfile as sf
 import torch
 
-import musiclm_stab.audio as audio_mod
+import musiclm_stab.audio.reader as audio_reader
 import musiclm_stab.tokenizer.units as units_mod
 from musiclm_stab.audio import AudioError, open_audio, scan
 from musiclm_stab.data.tokenized import load_tokenized
@@ -133,7 +133,7 @@ def test_unreadable_file_is_reported(tmp_path, monkeypatch, make_music):
                 raise PermissionError(13, "Permission denied", str(file))
             return real_open(file, *args, **kwargs)
 
-        monkeypatch.setattr(audio_mod, "open", denying_open, raising=False)
+        monkeypatch.setattr(audio_reader, "open", denying_open, raising=False)
     with pytest.raises(AudioError, match="cannot open the file: Permission denied") as e:
         open_audio(path)
     assert e.value.kind == "unreadable" and e.value.path == str(path)

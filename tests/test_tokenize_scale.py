@@ -14,14 +14,17 @@ import soundfile as sf
 import torch
 import torchaudio.functional as AF
 
-import musiclm_stab.audio as audio_mod
+import musiclm_stab.audio.reader as audio_reader
+import musiclm_stab.audio.stream as audio_stream
 from musiclm_stab.audio import AudioError, StreamResampler, array_reader, open_audio, resampled_blocks
 from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.threads import one_thread
+from musiclm_stab.tokenizer.cli import cli_main
 from musiclm_stab.tokenizer.merge import merge_shards
-from musiclm_stab.tokenizer.pipeline import cli_main, tokenize
+from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.tokenizer.segments import cut_segments, segment_bounds
 from musiclm_stab.tokenizer.store import OutputDir, OutputMismatch
-from musiclm_stab.tokenizer.weights import load_encodec, one_thread
+from musiclm_stab.tokenizer.weights import load_encodec
 
 SR = 24_000
 KW = dict(segment_seconds=0.5, min_seconds=0.1, workers=0, progress=False)
@@ -40,7 +43,7 @@ def _same(a, b) -> None:
 def test_stream_resampler_equals_one_whole_resample(rate):
     """Resampling in blocks of any size gives torchaudio's whole-signal result, same length ceil(L*24k/rate)."""
     x = torch.randn(int(rate * 1.3) + 7, generator=torch.Generator().manual_seed(rate))
-    usable = audio_mod._usable_rate(rate)
+    usable = audio_stream._usable_rate(rate)
     whole = AF.resample(x, usable, SR)
     assert len(whole) == math.ceil(len(x) * SR / usable)
     for block in (1999, rate // 3, 10**7):  # blocks shorter than the filter's context, a third of a second, all
@@ -82,7 +85,7 @@ def test_long_tracks_are_read_in_blocks_with_the_whole_track_result(tmp_path, lo
         return real_read(self, frames, *args, **kwargs)
 
     monkeypatch.setattr(sf.SoundFile, "read", spy)
-    monkeypatch.setattr(audio_mod, "BLOCK_SECONDS", 0.25)
+    monkeypatch.setattr(audio_reader, "BLOCK_SECONDS", 0.25)
     tokenize(tmp_path / "src", tmp_path / "out", weights=str(local_weights), **KW)
     assert reads and max(reads) == 11_025 and -1 not in reads
     decoded, _ = sf.read(tmp_path / "src" / "long.flac", dtype="float32")

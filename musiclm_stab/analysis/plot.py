@@ -32,6 +32,9 @@ with 3 seeds the band shows every seed), the raw mean faint behind. ``--extra`` 
   max_attn_logit.png               largest attention logit |q.k|/sqrt(d) over the layers (diagnostics_every)
   max_attn_logit_layers.png        the same, one panel per layer
   eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every)
+
+This module lays out the figures and panels; the lines come from analysis/curves.py (runs grouped by
+legend text, EMA, seed bands) and the look from analysis/style.py (colours, markers, the step axis).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,42 +53,38 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FixedLocator, Formatter, MaxNLocator, NullFormatter
 
+from musiclm_stab.analysis.curves import (
+    MAX_LOGIT,
+    RunGroup,
+    SeedCurve,
+    group_runs,
+    layer_count,
+    resolve_labels,
+    seed_curve,
+    with_derived,
+)
 from musiclm_stab.analysis.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
+from musiclm_stab.analysis.style import (
+    BAND_ALPHA,
+    COLOURS,
+    FIGSIZE,
+    MARKERS,
+    PNG_DPI,
+    RAW_ALPHA,
+    marker_indices,
+    style_x_axis,
+)
 from musiclm_stab.config import LOSS_UNITS
 
-__all__ = ["PlotWarning", "RunGroup", "RunMetrics", "cli_main", "group_runs", "make_figures", "plot_runs", "read_run",
-           "run_label", "seed_curve"]
-
-# The study's colour and marker order; runs past the fourth continue with the rest of tab10 so that
-# five or more runs stay distinguishable (markers cycle every four).
-COLOURS = (
-    "tab:blue",
-    "tab:orange",
-    "tab:green",
-    "tab:pink",
-    "tab:red",
-    "tab:purple",
-    "tab:brown",
-    "tab:gray",
-    "tab:olive",
-    "tab:cyan",
-)
-MARKERS = ("o", "^", "v", "D")
-MARKERS_PER_LINE = 10  # markers spread evenly along the x axis, so they stay sparse
-RAW_ALPHA = 0.25  # the unsmoothed line behind a smoothed one
-FIGSIZE = (8.0, 5.0)
-PNG_DPI = 150
+__all__ = ["PlotWarning", "RunMetrics", "cli_main", "make_figures", "plot_runs", "read_run", "run_label"]
 
 SKIPPED_LABEL = "Skipped step (non-finite)"
 ROLLBACK_LABEL = "Rollback (loss-spike guard)"
-BAND_ALPHA = 0.2  # the seed band behind a configuration's line
 BAND_LABEL = "Band: min-max over {} seeds (EMA)"
 
-MAX_LOGIT = "diag/max_attn_logit/max"  # derived when read: the largest of the per-layer values at a step
-LAYER_LOGIT = re.compile(r"^diag/max_attn_logit/layer(\d+)$")
 CODEBOOK = re.compile(r"^acoustic_mlm_loss/cb(\d+)$")
+
 
 @dataclass(frozen=True)
 class FigureSpec:
@@ -120,194 +119,6 @@ def figure_specs(codebooks: Iterable[int] = (0,), unit: str = "bits") -> list[Fi
     return specs
 
 
-def ema(values: np.ndarray, smooth: float) -> np.ndarray:
-    """Exponential moving average, debiased like TensorBoard's (the first point is not pulled to 0).
-
-    ``smooth`` in [0, 1): 0 returns the values unchanged, 0.9 averages over ~10 logged points.
-    """
-    if not 0.0 <= smooth < 1.0:
-        raise ValueError(f"smooth must be in [0, 1), got {smooth}")
-    values = np.asarray(values, dtype=np.float64)
-    if smooth == 0.0:
-        return values.copy()
-    out = np.empty_like(values)
-    acc = weight = 0.0
-    for i, v in enumerate(values):
-        acc = smooth * acc + (1.0 - smooth) * v
-        weight = smooth * weight + (1.0 - smooth)
-        out[i] = acc / weight
-    return out
-
-
-def _strip(number: float, decimals: int) -> str:
-    text = f"{number:.{decimals}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
-class StepFormatter(Formatter):
-    """Training-step tick labels in thousands, as the study: "0K", "20K", ... "100K".
-
-    Linear axis: every label uses the fewest decimals (0-2) that write all ticks exactly, so a
-    500-step run reads "0K", "0.1K", ... "0.5K" and a 100-step run "0K", "0.02K", ... "0.1K". Ticks
-    finer than 10 steps (runs of a few dozen steps) would need "0.005K": those axes use plain step
-    numbers instead. Log axis (decades): "1K", "10K", "100K" from 1000 up, plain "1", "10", "100"
-    below; 0 (symlog) is "0K" when every other tick is in K.
-    """
-
-    def __init__(self, log: bool = False):
-        self.log = log
-        self._ticks: list[float] = []
-
-    def set_locs(self, locs) -> None:
-        super().set_locs(locs)
-        self._ticks = [float(v) for v in locs]  # the ticks being labelled (matplotlib calls this first)
-
-    def _decimals(self) -> int | None:
-        for decimals in (0, 1, 2):
-            if all(abs(round(v / 1000, decimals) * 1000 - v) < 1e-6 * max(1.0, abs(v)) for v in self._ticks):
-                return decimals
-        return None
-
-    def __call__(self, x: float, pos: int | None = None) -> str:
-        if self.log:
-            positive = [v for v in self._ticks if v > 0]
-            if x == 0:
-                return "0K" if positive and min(positive) >= 1000 else "0"
-            return f"{_strip(x / 1000, 2)}K" if x >= 1000 else _strip(x, 2)
-        decimals = self._decimals()
-        if decimals is None:
-            return _strip(x, 2)
-        return f"{_strip(x / 1000 + 0.0, decimals)}K"  # + 0.0 turns -0.0 into 0.0
-
-
-def _linthresh(max_step: float) -> float:
-    """Linear region of the symlog step axis: 0 .. max/100 as a power of ten (1K for a 100K run)."""
-    return float(10 ** max(0, math.floor(math.log10(max(max_step, 1.0))) - 2))
-
-
-def _style_x_axis(ax, log_x: bool, max_step: float) -> None:
-    ax.set_xlabel("Training Step")
-    if not log_x:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
-        ax.xaxis.set_major_formatter(StepFormatter(log=False))
-        ax.set_xlim(left=0)
-        return
-    # Step 0 (the initial loss) has no place on a log axis. A symlog axis keeps it: linear from 0 to
-    # `linthresh`, logarithmic after, which the study reads as "0K ... 100K, log-scaled".
-    linthresh = _linthresh(max_step)
-    ax.set_xscale("symlog", linthresh=linthresh, linscale=1.0)
-    top = max(max_step * 1.08, linthresh * 1.5)
-    decades = [linthresh * 10**i for i in range(int(math.ceil(math.log10(top / linthresh))) + 1)]
-    # Fixed ticks: 0 and decades only. The default symlog locator also ticks inside the linear
-    # region (100 next to 0 for a 100K run), where labels collide.
-    ax.xaxis.set_major_locator(FixedLocator([0.0] + [d for d in decades if d <= top]))
-    ax.xaxis.set_minor_locator(FixedLocator([d * m for d in decades for m in range(2, 10) if d * m <= top]))
-    ax.xaxis.set_major_formatter(StepFormatter(log=True))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlim(0.0, top)
-
-
-def _resolve_labels(runs: Sequence[RunMetrics], labels: Sequence[str] | None) -> list[str]:
-    if labels is not None:
-        if len(labels) != len(runs):
-            raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
-        return [str(label) for label in labels]
-    out = [run.label for run in runs]
-    for label in {label for label in out if out.count(label) > 1}:
-        names = [run.name for run, lab in zip(runs, out) if lab == label]
-        plot_warning(
-            f"runs {', '.join(names)} share the legend text {label!r}: adding the run name to tell them "
-            "apart (set train.label or --labels to choose)"
-        )
-    return [f"{lab} ({run.name})" if out.count(lab) > 1 else lab for run, lab in zip(runs, out)]
-
-
-@dataclass
-class RunGroup:
-    """The runs drawn as one line: one run, or the seeds of one configuration (``bands``)."""
-
-    label: str  # legend text
-    runs: list[RunMetrics]
-
-    @property
-    def name(self) -> str:
-        """The run's directory name (one run), else the legend text: the line's gid is ``run:<name>``."""
-        return self.runs[0].name if len(self.runs) == 1 else self.label
-
-
-@dataclass
-class SeedCurve:
-    """One group's curve of one metric on the union of its runs' logged steps.
-
-    ``raw``: mean over the runs of the logged values; ``line``: mean over the runs of each run's EMA;
-    ``lo``/``hi``: min and max over the runs of their EMAs (the band); ``count``: runs with a value there.
-    Since the debiased EMA is linear, ``line`` is also the EMA of ``raw`` where every run logged.
-    """
-
-    steps: np.ndarray  # [S]
-    raw: np.ndarray  # [S]
-    line: np.ndarray  # [S]
-    lo: np.ndarray  # [S]
-    hi: np.ndarray  # [S]
-    count: np.ndarray  # [S]
-
-
-def group_runs(runs: Sequence[RunMetrics], labels: Sequence[str] | None = None) -> list[RunGroup]:
-    """Runs with the same legend text (``labels`` or each run's) as one group each, in first-seen order.
-
-    The study's seeds of one configuration share its legend text (the seed is not part of it), so each
-    group is one configuration's seeds.
-    """
-    if labels is not None and len(labels) != len(runs):
-        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
-    groups: dict[str, RunGroup] = {}
-    for run, label in zip(runs, labels if labels is not None else [r.label for r in runs]):
-        groups.setdefault(str(label), RunGroup(str(label), [])).runs.append(run)
-    return list(groups.values())
-
-
-def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float) -> SeedCurve | None:
-    """The mean, band (min-max of the smoothed curves) and raw mean of ``metric`` over ``runs``.
-
-    Each run is smoothed on its own logged steps (so a missing step in one seed does not shift
-    another's EMA), then the runs are combined step by step over the steps any of them logged. None
-    when no run logged the metric.
-    """
-    series = [s for s in (run.metric(metric) for run in runs) if s is not None]
-    if not series:
-        return None
-    steps = np.unique(np.concatenate([s for s, _ in series]))
-    raw = np.full((len(series), len(steps)), np.nan)
-    smoothed = np.full_like(raw, np.nan)
-    for i, (s, v) in enumerate(series):
-        at = np.searchsorted(steps, s)
-        raw[i, at] = v
-        smoothed[i, at] = ema(v, smooth)
-    count = np.sum(~np.isnan(raw), axis=0)
-    with warnings.catch_warnings():  # columns are never all-NaN (every step comes from some run)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return SeedCurve(steps, np.nanmean(raw, 0), np.nanmean(smoothed, 0), np.nanmin(smoothed, 0),
-                         np.nanmax(smoothed, 0), count)
-
-
-def _with_derived(run: RunMetrics) -> RunMetrics:
-    """The run with ``diag/max_attn_logit/max`` (the largest over layers, at steps every layer logged)."""
-    layers = [run.series[k] for k in run.series if LAYER_LOGIT.match(k)]
-    if not layers:
-        return run
-    common = layers[0][0]
-    for s, _ in layers[1:]:
-        common = np.intersect1d(common, s)
-    values = np.max([v[np.searchsorted(s, common)] for s, v in layers], axis=0)
-    return replace(run, series={**run.series, MAX_LOGIT: (common, values)})
-
-
-def layer_count(runs: Sequence[RunMetrics]) -> int:
-    """Number of layers with a logged max attention logit in any run (0: none)."""
-    found = [int(m.group(1)) for run in runs for k in run.series if (m := LAYER_LOGIT.match(k))]
-    return max(found) + 1 if found else 0
-
-
 def make_figures(
     runs: Sequence[RunMetrics | str | Path],
     *,
@@ -338,11 +149,11 @@ def make_figures(
         raise ValueError("no runs to plot")
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
-    runs = [_with_derived(run) for run in runs]
+    runs = [with_derived(run) for run in runs]
     if bands:
         groups = group_runs(runs, labels)
     else:
-        groups = [RunGroup(text, [run]) for run, text in zip(runs, _resolve_labels(runs, labels))]
+        groups = [RunGroup(text, [run]) for run, text in zip(runs, resolve_labels(runs, labels))]
 
     ends = {run.name: run.last_step for run in runs if run.last_step is not None}
     if len(set(ends.values())) > 1:
@@ -405,26 +216,6 @@ def extra_figures(runs: Sequence[RunMetrics], unit: str) -> dict[str, tuple[list
         ),
     }
     return {name: (panels, title) for name, (panels, title) in out.items() if panels}
-
-
-def _marker_indices(steps: np.ndarray, ax, offset: float, count: int = MARKERS_PER_LINE) -> list[int]:
-    """Indices of ~``count`` points evenly spaced along the x axis as drawn (linear or symlog).
-
-    matplotlib's float ``markevery`` spaces markers by path length, which crowds them where a noisy
-    line of many points zigzags; spacing by x keeps them sparse. ``offset`` in [0, 1) shifts this
-    run's markers by a fraction of the spacing so overlapping runs do not hide each other's.
-    """
-    if len(steps) == 0:
-        return []
-    scale = ax.xaxis.get_transform()  # the scale part only: identity or symlog
-    x = np.asarray(scale.transform(steps.astype(np.float64)), dtype=np.float64).ravel()
-    lo, hi = np.asarray(scale.transform(np.asarray(ax.get_xlim(), dtype=np.float64))).ravel()
-    targets = lo + (hi - lo) * (np.arange(count) + offset) / count
-    targets = targets[(targets >= x[0]) & (targets <= x[-1])]
-    right = np.clip(np.searchsorted(x, targets), 1, len(x) - 1) if len(x) > 1 else np.zeros(len(targets), int)
-    left = np.maximum(right - 1, 0)
-    nearest = np.where(np.abs(x[left] - targets) <= np.abs(x[right] - targets), left, right)
-    return sorted({int(i) for i in nearest})
 
 
 def _figure(
@@ -522,9 +313,9 @@ def _draw_panel(
                 any_rollback = True
                 ax.axvline(rb.step, color=colour, linestyle="--", linewidth=1.0, alpha=0.8, zorder=1.5,
                            label="_nolegend_", gid=f"rollback:{run.name}")
-    _style_x_axis(ax, log_x, max_step)  # sets the x limits the marker positions are spread over
+    style_x_axis(ax, log_x, max_step)  # sets the x limits the marker positions are spread over
     for i, line in lines.items():
-        line.set_markevery(_marker_indices(curves[i].steps, ax, offset=(i % 4) / 4))
+        line.set_markevery(marker_indices(curves[i].steps, ax, offset=(i % 4) / 4))
     # One legend entry for each kind of mark, in neutral grey (the colour says which run).
     if seeds:
         counts = f"{min(seeds)}" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)}"

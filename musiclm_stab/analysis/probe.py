@@ -64,12 +64,12 @@ from musiclm_stab.analysis.probe_fit import (
     bootstrap,
     class_metrics,
     cross_validate,
-    one_thread,
     pitch_metrics,
 )
 from musiclm_stab.analysis.runs import run_label
 from musiclm_stab.config import ConfigError
 from musiclm_stab.corpus.labels import GM_FAMILIES, KEY_NAMES
+from musiclm_stab.threads import one_thread
 from musiclm_stab.training.trained import resolve_checkpoint
 
 TASKS = ("pitch", "key", "instrument")

@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from musiclm_stab.analysis.plot import COLOURS, MARKERS, PNG_DPI
+from musiclm_stab.analysis.style import COLOURS, MARKERS, PNG_DPI
 
 TASK_TEXT = {"pitch": "Pitch (frames)", "key": "Key (segments)", "instrument": "Instrument (segments)"}
 METRIC_TEXT = {"map": "mAP", "f1": "micro-F1", "accuracy": "Accuracy", "mirex": "MIREX Score",

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from musiclm_stab.threads import one_thread
 
 L2_GRID = (1e-1, 1e-2, 1e-3, 1e-4)  # strongest first: each fit starts from the previous solution
 MAX_ITER = 50  # L-BFGS iterations per fit (warm-started: the scores move < 0.01 from 50 to 100)
@@ -91,19 +92,6 @@ class Probe:
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.logits(self.prepared(x))
-
-
-@contextmanager
-def one_thread():
-    """Probes run on one CPU thread: their operations are small, and with torch's threads on cores that
-    other processes share, each one waits at a barrier for a descheduled thread (measured on the 2-core
-    machine under load: 20x slower key probes with 2 threads than with 1; 2.6x for a tiny probe)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @one_thread()

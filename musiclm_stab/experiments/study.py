@@ -55,7 +55,7 @@ from musiclm_stab.experiments.launch import (
     shown,
 )
 
-# The study's runs in legend order: colour i of plot.COLOURS is run i (blue, orange, green, pink).
+# The study's runs in legend order: colour i of analysis/style.COLOURS is run i (blue, orange, green, pink).
 STUDY_RECIPES = (
     "study_prenorm_clip10_run1",
     "study_prenorm_clip1_run2",

@@ -288,7 +288,7 @@ def make_sweep_figure(results: Sequence[SweepResult], last: int = DEFAULT_LAST):
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    from musiclm_stab.analysis.plot import COLOURS, FIGSIZE, MARKERS
+    from musiclm_stab.analysis.style import COLOURS, FIGSIZE, MARKERS
 
     if not results:
         raise ValueError("no sweep results to plot")
@@ -350,7 +350,7 @@ def write_outputs(
     results: Sequence[SweepResult], out: str | Path, settings: dict, last: int = DEFAULT_LAST
 ) -> list[Path]:
     """sweep.json, sweep.csv, lr_sensitivity.png/.pdf in ``out``; returns the paths."""
-    from musiclm_stab.analysis.plot import PNG_DPI
+    from musiclm_stab.analysis.style import PNG_DPI
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -243,7 +243,7 @@ def overlap_seconds_for(chunk_seconds: float, overlap_seconds: float | None) -> 
 
 def _as_waveform(audio_or_path: str | Path | torch.Tensor | np.ndarray) -> tuple[torch.Tensor, str]:
     if isinstance(audio_or_path, (str, Path)):
-        from musiclm_stab.audio import load_audio
+        from musiclm_stab.audio.stream import load_audio
 
         return load_audio(audio_or_path), str(audio_or_path)
     wav = torch.as_tensor(audio_or_path).float()

@@ -331,7 +331,7 @@ def export(
     spec = check_exportable(cfg)  # refuse before writing anything
 
     if audio is not None:
-        from musiclm_stab.audio import load_audio
+        from musiclm_stab.audio.stream import load_audio
 
         wav = load_audio(audio)
         wav = wav[: int(seconds * SAMPLE_RATE) // HOP_LENGTH * HOP_LENGTH]

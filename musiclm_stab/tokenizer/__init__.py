@@ -1,6 +1,7 @@
 """The tokenizer: audio -> EnCodec codes, saved as an HF dataset (``musiclm-stab tokenize``).
 
-    pipeline.py  the job and its command line: plan, resume, run the units, finalize
+    pipeline.py  the job: plan, resume, run the units, finalize
+    cli.py       the command line (musiclm-stab tokenize, --merge)
     sources.py   where the tracks come from (folder, manifest, HF dataset, stream) and opening one
     plan.py      the work units: consecutive tracks, long tracks cut into pieces
     units.py     one unit: check, segment, encode and write its tracks' rows into a part file

@@ -14,7 +14,7 @@ import hashlib
 import soundfile as sf
 
 from musiclm_stab import SAMPLE_RATE
-from musiclm_stab.audio import AudioStats
+from musiclm_stab.audio.stream import AudioStats
 from musiclm_stab.tokenizer.sources import TrackRef
 
 # Formats libsndfile decodes exactly from any frame it seeks to (a piece of a long track starts mid-file).

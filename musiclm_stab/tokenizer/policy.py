@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
-from musiclm_stab.audio import AudioError
+from musiclm_stab.audio.reader import AudioError
 from musiclm_stab.tokenizer.sources import TrackRef
 
 SILENCE_POLICIES = ("skip", "keep")

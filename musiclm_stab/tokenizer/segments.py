@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import musiclm_stab.audio as audio_mod
+import musiclm_stab.audio.reader as audio_mod
 from musiclm_stab import HOP_LENGTH
 from musiclm_stab.audio import AudioError, AudioReader, AudioStats, StreamResampler, resampled_blocks, scan
 from musiclm_stab.tokenizer.policy import UnitSettings

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from musiclm_stab.audio import AudioError, AudioReader, array_reader, list_audio_files, open_audio
+from musiclm_stab.audio.reader import AudioError, AudioReader, array_reader, list_audio_files, open_audio
 
 MANIFEST_SUFFIXES = (".csv", ".jsonl")
 

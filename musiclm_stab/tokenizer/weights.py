@@ -13,12 +13,10 @@ model's codes: the weights are identified by a sha256 that travels with every to
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,16 +193,3 @@ def prepare_for_inference(model: EncodecModel) -> EncodecModel:
 
 def _sidecar(weights_file: Path) -> Path:
     return weights_file.with_name(weights_file.name + ".json")
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one CPU thread inside the block. Float results (so k-means and codes at near-ties)
-    depend on the thread count, and on a busy 2-core machine one thread is also the faster: scatter
-    adds and small LSTM steps spend most of their time synchronising threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

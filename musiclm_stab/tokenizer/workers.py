@@ -65,7 +65,7 @@ def keep_freed_memory() -> bool:
 def _worker_init(weights: str | None, device: str, sha256: str) -> None:
     _die_with_parent()
     keep_freed_memory()
-    torch.set_num_threads(1)  # as in the main process: see weights.one_thread
+    torch.set_num_threads(1)  # as in the main process: see musiclm_stab.threads.one_thread
     set_full_fp32()  # as in the main process: see full_fp32
     model, info = load_encodec(weights)
     if info["weights_sha256"] != sha256:

@@ -16,9 +16,7 @@ import argparse
 import contextlib
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
+from musiclm_stab.training.resume import check_resumable
 from musiclm_stab.training.run_dir import (
     MetricsWriter,
     check_run_dir,
@@ -46,14 +45,10 @@ from musiclm_stab.training.stability import (
     layer_diagnostics,
     record_attention_logits,
 )
+from musiclm_stab.training.stop import StopSignal
+from musiclm_stab.training.tracking import flat_config, new_interval, reduce_by_name, tracker_names
 
-DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data", "eval_fraction"),
-                      ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))
-# data.order_seed is part of the data position too, compared by its effective value (load_checkpoint).
 PROJECT = "musiclm_stab"  # the trackers' project (wandb project, MLflow experiment; TensorBoard's subfolder)
-# torch's Optimizer.load_state_dict restores each param group's hyperparameters from the checkpoint (and the
-# scheduler its base lr), so a change of these on --resume would be silently ignored: refused instead.
-OPTIMIZER_STATE_KEYS = (("optim", "lr"), ("optim", "betas"), ("optim", "eps"), ("optim", "weight_decay"))
 
 
 class Trainer:
@@ -138,31 +133,7 @@ class Trainer:
 
     def load_checkpoint(self, ckpt: Path) -> int:
         state = checkpoint.read_state(ckpt)
-        saved = state.get("num_processes", 1)
-        if saved != self.accelerator.num_processes:
-            raise ConfigError(f"{ckpt} was written by {saved} process(es); resume it with {saved} (its data "
-                              f"position and RNG states are per process), not {self.accelerator.num_processes}")
-        then, now = state.get("config") or {}, self.cfg.to_dict()
-
-        def changed(keys) -> list[str]:
-            return [f"{sec}.{key}: {then[sec][key]!r} in the checkpoint, {now[sec][key]!r} now"
-                    for sec, key in keys if key in then.get(sec, {}) and then[sec][key] != now[sec][key]]
-
-        def order_seed(c: dict) -> int | None:
-            seed = c.get("data", {}).get("order_seed")
-            return c.get("train", {}).get("seed") if seed is None else seed
-
-        moved = changed(DATA_POSITION_KEYS)
-        if order_seed(then) != order_seed(now):
-            moved.append(f"data.order_seed (null: train.seed): {order_seed(then)!r} in the checkpoint, "
-                         f"{order_seed(now)!r} now")
-        if moved:
-            raise ConfigError(f"cannot resume {ckpt} exactly: settings that define its data position changed\n  "
-                              + "\n  ".join(moved) + "\nset them back, or start a new run (another --train.name)")
-        if moved := changed(OPTIMIZER_STATE_KEYS):
-            raise ConfigError(f"cannot resume {ckpt} with changed optimizer settings: the optimizer state "
-                              "restores them from the checkpoint, so the change would be ignored\n  "
-                              + "\n  ".join(moved) + "\nset them back, or start a new run (another --train.name)")
+        check_resumable(ckpt, state, self.cfg, self.accelerator.num_processes)
         self.accelerator.load_state(str(ckpt))
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
@@ -298,7 +269,7 @@ class Trainer:
     def run(self) -> Path:
         cfg, tcfg, acc = self.cfg, self.cfg.train, self.accelerator
         # Named after the run where a tracker has runs (wandb, MLflow); TensorBoard writes <run>/musiclm_stab/.
-        acc.init_trackers(PROJECT, config=_flat(cfg.to_dict()),
+        acc.init_trackers(PROJECT, config=flat_config(cfg.to_dict()),
                           init_kwargs={"wandb": {"name": tcfg.name, "dir": str(self.run_dir)},
                                        "mlflow": {"run_name": tcfg.name}})
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
@@ -388,88 +359,9 @@ class Trainer:
         return row
 
 
-class StopSignal:
-    """SIGTERM / SIGINT (what schedulers send before preemption) ask the loop to checkpoint and stop
-    after the current step. Under several processes the request is agreed on by all ranks."""
-
-    def __init__(self):
-        self.name: str | None = None
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.name = signal.Signals(signum).name
-
-    def requested(self, accelerator: Accelerator) -> bool:
-        if accelerator.num_processes == 1:
-            return self.name is not None
-        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
-        if accelerator.reduce(flag, reduction="sum").item() > 0:
-            self.name = self.name or "a signal on another process"
-            return True
-        return False
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 def train(cfg: Config, resume: bool = False) -> Path:
     """Run (or resume) pretraining as configured; returns the run directory."""
     return Trainer(cfg, resume).run()
-
-
-def tracker_names(trackers: list[str]) -> list[str] | None:
-    """accelerate's ``log_with`` for ``train.trackers``; a ConfigError naming any that is not installed
-    (accelerate would silently leave it out)."""
-    from accelerate.tracking import get_available_trackers
-
-    if not trackers:
-        return None
-    installed = [str(t) for t in get_available_trackers()]
-    if "all" in trackers:
-        trackers = installed
-    missing = [t for t in trackers if t not in installed]
-    if missing:
-        raise ConfigError(f"train.trackers: {', '.join(missing)} not installed (installed: "
-                          f"{', '.join(installed) or 'none'}); install its package, or leave it out of "
-                          "train.trackers")
-    if "mlflow" in trackers:
-        import mlflow
-
-        uri = mlflow.get_tracking_uri()
-        if uri.startswith("file:") or "://" not in uri:  # a folder: MLflow's file store
-            raise ConfigError(f"train.trackers: mlflow's tracking URI {uri} is a file store, which cannot hold "
-                              "both acoustic_mlm_loss and acoustic_mlm_loss/cb0 (a metric that is also a folder); "
-                              "set MLFLOW_TRACKING_URI to a database (sqlite:///PATH/mlflow.db) or a server")
-    return list(dict.fromkeys(trackers))
-
-
-def new_interval() -> dict:
-    return {"steps": 0, "skipped": 0, "overflow": 0, "clipped": 0, "grad_norm": 0.0, "t0": time.perf_counter()}
-
-
-def reduce_by_name(accelerator: Accelerator, values: dict[str, torch.Tensor], divide: float = 1.0
-                   ) -> dict[str, float]:
-    """Means over processes of named scalars (one all-reduce for all of them), divided by ``divide``."""
-    names = sorted(values)  # every process holds the same names: the same order everywhere
-    stacked = torch.stack([torch.as_tensor(values[n], dtype=torch.float32) for n in names]).to(accelerator.device)
-    reduced = (accelerator.reduce(stacked, reduction="mean") / divide).tolist()
-    return dict(zip(names, reduced))
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """Flatten the config for TensorBoard's hparams (scalars and strings only)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,137 @@
+"""What a figure draws, read from run directories: runs grouped into lines by legend text, each line's
+smoothed curve (TensorBoard's debiased EMA) and, for the seeds of one configuration, the band over seeds;
+and the metrics derived when read (the largest attention logit over layers)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from musiclm_stab.analysis.runs import RunMetrics, plot_warning
+
+MAX_LOGIT = "diag/max_attn_logit/max"  # derived when read: the largest of the per-layer values at a step
+LAYER_LOGIT = re.compile(r"^diag/max_attn_logit/layer(\d+)$")
+
+
+def ema(values: np.ndarray, smooth: float) -> np.ndarray:
+    """Exponential moving average, debiased like TensorBoard's (the first point is not pulled to 0).
+
+    ``smooth`` in [0, 1): 0 returns the values unchanged, 0.9 averages over ~10 logged points.
+    """
+    if not 0.0 <= smooth < 1.0:
+        raise ValueError(f"smooth must be in [0, 1), got {smooth}")
+    values = np.asarray(values, dtype=np.float64)
+    if smooth == 0.0:
+        return values.copy()
+    out = np.empty_like(values)
+    acc = weight = 0.0
+    for i, v in enumerate(values):
+        acc = smooth * acc + (1.0 - smooth) * v
+        weight = smooth * weight + (1.0 - smooth)
+        out[i] = acc / weight
+    return out
+
+
+def resolve_labels(runs: Sequence[RunMetrics], labels: Sequence[str] | None) -> list[str]:
+    if labels is not None:
+        if len(labels) != len(runs):
+            raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
+        return [str(label) for label in labels]
+    out = [run.label for run in runs]
+    for label in {label for label in out if out.count(label) > 1}:
+        names = [run.name for run, lab in zip(runs, out) if lab == label]
+        plot_warning(
+            f"runs {', '.join(names)} share the legend text {label!r}: adding the run name to tell them "
+            "apart (set train.label or --labels to choose)"
+        )
+    return [f"{lab} ({run.name})" if out.count(lab) > 1 else lab for run, lab in zip(runs, out)]
+
+
+@dataclass
+class RunGroup:
+    """The runs drawn as one line: one run, or the seeds of one configuration (``bands``)."""
+
+    label: str  # legend text
+    runs: list[RunMetrics]
+
+    @property
+    def name(self) -> str:
+        """The run's directory name (one run), else the legend text: the line's gid is ``run:<name>``."""
+        return self.runs[0].name if len(self.runs) == 1 else self.label
+
+
+@dataclass
+class SeedCurve:
+    """One group's curve of one metric on the union of its runs' logged steps.
+
+    ``raw``: mean over the runs of the logged values; ``line``: mean over the runs of each run's EMA;
+    ``lo``/``hi``: min and max over the runs of their EMAs (the band); ``count``: runs with a value there.
+    Since the debiased EMA is linear, ``line`` is also the EMA of ``raw`` where every run logged.
+    """
+
+    steps: np.ndarray  # [S]
+    raw: np.ndarray  # [S]
+    line: np.ndarray  # [S]
+    lo: np.ndarray  # [S]
+    hi: np.ndarray  # [S]
+    count: np.ndarray  # [S]
+
+
+def group_runs(runs: Sequence[RunMetrics], labels: Sequence[str] | None = None) -> list[RunGroup]:
+    """Runs with the same legend text (``labels`` or each run's) as one group each, in first-seen order.
+
+    The study's seeds of one configuration share its legend text (the seed is not part of it), so each
+    group is one configuration's seeds.
+    """
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
+    groups: dict[str, RunGroup] = {}
+    for run, label in zip(runs, labels if labels is not None else [r.label for r in runs]):
+        groups.setdefault(str(label), RunGroup(str(label), [])).runs.append(run)
+    return list(groups.values())
+
+
+def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float) -> SeedCurve | None:
+    """The mean, band (min-max of the smoothed curves) and raw mean of ``metric`` over ``runs``.
+
+    Each run is smoothed on its own logged steps (so a missing step in one seed does not shift
+    another's EMA), then the runs are combined step by step over the steps any of them logged. None
+    when no run logged the metric.
+    """
+    series = [s for s in (run.metric(metric) for run in runs) if s is not None]
+    if not series:
+        return None
+    steps = np.unique(np.concatenate([s for s, _ in series]))
+    raw = np.full((len(series), len(steps)), np.nan)
+    smoothed = np.full_like(raw, np.nan)
+    for i, (s, v) in enumerate(series):
+        at = np.searchsorted(steps, s)
+        raw[i, at] = v
+        smoothed[i, at] = ema(v, smooth)
+    count = np.sum(~np.isnan(raw), axis=0)
+    with warnings.catch_warnings():  # columns are never all-NaN (every step comes from some run)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return SeedCurve(steps, np.nanmean(raw, 0), np.nanmean(smoothed, 0), np.nanmin(smoothed, 0),
+                         np.nanmax(smoothed, 0), count)
+
+
+def with_derived(run: RunMetrics) -> RunMetrics:
+    """The run with ``diag/max_attn_logit/max`` (the largest over layers, at steps every layer logged)."""
+    layers = [run.series[k] for k in run.series if LAYER_LOGIT.match(k)]
+    if not layers:
+        return run
+    common = layers[0][0]
+    for s, _ in layers[1:]:
+        common = np.intersect1d(common, s)
+    values = np.max([v[np.searchsorted(s, common)] for s, v in layers], axis=0)
+    return replace(run, series={**run.series, MAX_LOGIT: (common, values)})
+
+
+def layer_count(runs: Sequence[RunMetrics]) -> int:
+    """Number of layers with a logged max attention logit in any run (0: none)."""
+    found = [int(m.group(1)) for run in runs for k in run.series if (m := LAYER_LOGIT.match(k))]
+    return max(found) + 1 if found else 0
