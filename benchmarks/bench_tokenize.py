@@ -316,7 +316,8 @@ def boundary(args, work: Path) -> dict:
     import torch
 
     from musiclm_stab.audio import load_audio
-    from musiclm_stab.tokenizer.weights import load_encodec, one_thread, prepare_for_inference
+    from musiclm_stab.threads import one_thread
+    from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
 
     files = corpus(work, args.tracks)
     model, info = load_encodec(weights_file(work, files, args.weights))
