@@ -102,6 +102,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, 
     """A run killed with SIGKILL after step 3 and resumed logs the same metrics as an uninterrupted run."""
     proc = start(tokenized_dataset, tmp_path, "k", "--train.max_steps=6")
     wait_for_step(proc, tmp_path / "k", 3)
+    # checkpoints are written in the background and published at a later step: kill once one is complete
+    deadline = time.time() + 300
+    while not checkpoint.list_checkpoints(tmp_path / "k") and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [checkpoint.checkpoint_step(c) for c in checkpoint.list_checkpoints(tmp_path / "k")][-1] >= 2
