@@ -140,7 +140,8 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     seeds), against random init at the one L2 penalty, their figure among the study's figures, and the
     claims table's probe column with one value per configuration."""
     from musiclm_stab.analysis.claims import write_claims
-    from musiclm_stab.experiments.study import PROBE, plan_study, probe_study
+    from musiclm_stab.experiments.study import PROBE, probe_study
+    from musiclm_stab.experiments.study_plan import plan_study
 
     study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, extra=[
         "model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",

@@ -15,15 +15,14 @@ import pytest
 
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
-from musiclm_stab.experiments.study import (
+from musiclm_stab.experiments.study import cli_main, run_study
+from musiclm_stab.experiments.study_plan import (
     CPU_OVERLAYS,
     SCALE_OVERLAYS,
     STUDY_RECIPES,
-    cli_main,
     merge_overrides,
     plan_study,
     recipe_path,
-    run_study,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from musiclm_stab.analysis.claim_stats import ROLES, early_loss, median_grad_nor
 from musiclm_stab.analysis.claims import DOC_BEGIN, DOC_END, evaluate_claims, fill_doc, markdown, write_claims
 from musiclm_stab.analysis.runs import read_run
 from musiclm_stab.config import Config, load_config, save_config
-from musiclm_stab.experiments.study import CPU_OVERLAYS, STUDY_RECIPES, recipe_path
+from musiclm_stab.experiments.study_plan import CPU_OVERLAYS, STUDY_RECIPES, recipe_path
 
 # (role, overrides) of the four configurations, as the study recipes set them
 CONFIGS = {

@@ -11,15 +11,12 @@ import torch
 from matplotlib.colors import same_color
 
 from musiclm_stab.config import ConfigError, load_config
-from musiclm_stab.experiments.sweep import (
+from musiclm_stab.experiments.sweep import cli_main, run_sweep, scheme_label, scheme_overrides
+from musiclm_stab.experiments.sweep_report import (
     SweepResult,
-    cli_main,
     format_table,
     lr_sensitivity,
     make_sweep_figure,
-    run_sweep,
-    scheme_label,
-    scheme_overrides,
     sensitivities,
 )
 

@@ -47,20 +47,14 @@ from pathlib import Path
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.experiments.launch import accelerate_executable, add_job_options, default_data, run_state
-from musiclm_stab.experiments.study_plan import (  # noqa: F401 - the plan's names, importable from here too
-    CPU_OVERLAYS,
+from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     ORDERS,
-    SCALE_OVERLAYS,
     SCALES,
-    STUDY_RECIPES,
     Study,
-    StudyRun,
     claims_command,
-    merge_overrides,
     plan_study,
     plot_command,
-    recipe_path,
 )
 
 

@@ -32,14 +32,11 @@ import numpy as np
 
 from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
 from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
-from musiclm_stab.experiments.sweep_report import (  # noqa: F401 - the results' names, importable from here too
+from musiclm_stab.experiments.sweep_report import (
     DEFAULT_LAST,
     SweepResult,
     format_table,
-    lr_sensitivity,
     lr_text,
-    make_sweep_figure,
-    sensitivities,
     write_outputs,
 )
 
