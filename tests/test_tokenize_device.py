@@ -4,6 +4,7 @@ shards made on different device types merge and load with a warning instead of b
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -64,7 +65,8 @@ def test_tf32_is_off_where_the_encoder_runs(src, local_weights, tmp_path, tf32_o
     tokenize(src, tmp_path / "workers", workers=2, **kw)
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "workers" / ".tokenize" / "units").iterdir())]
     assert len(records) == 4 and all(r["fp32_precision"] == IEEE for r in records)
-    assert len({r["pid"] for r in records}) == 2  # both workers encoded (and were checked)
+    assert all(r["pid"] != os.getpid() for r in records)  # encoded in the workers (how many units each got
+    # is the scheduler's choice: one worker may take all four while the other still loads its model)
     meta = json.loads((tmp_path / "workers" / "tokenizer.json").read_text())
     assert (meta["device"], meta["tf32"]) == ("cpu", False)
 

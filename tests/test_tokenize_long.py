@@ -102,14 +102,16 @@ def unsplit(long_src, local_weights, tmp_path_factory):
     return out
 
 
-def test_one_long_track_uses_every_worker(long_src, unsplit, local_weights, tmp_path):
-    """One long track, 2 worker processes: its 5 pieces are encoded by both workers (the unit records name
-    two pids) and the rows equal the unsplit run's."""
+def test_one_long_track_is_shared_out_to_the_workers(long_src, unsplit, local_weights, tmp_path):
+    """One long track, 2 worker processes: it becomes 5 units (pieces), each encoded in a worker process,
+    and the rows equal the unsplit run's. (Which worker gets which piece is the scheduler's choice: a worker
+    still loading its model may get none, so the test does not require two distinct pids.)"""
     out = tmp_path / "out"
     s = tokenize(long_src, out, weights=str(local_weights), workers=2, piece_seconds=5.0, **KW)
     assert _plan(out) == [[0, 1, 0, 10], [0, 1, 10, 20], [0, 1, 20, 30], [0, 1, 30, 40], [0, 1, 40, None]]
     records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").iterdir()]
-    assert len({r["pid"] for r in records}) == 2 and s.num_units == 5  # old code: one unit, one process
+    assert s.num_units == len(records) == 5  # old code: one unit, so one process, whatever the workers
+    assert all(r["pid"] != os.getpid() for r in records)
     _assert_same_rows(_rows(out), _rows(unsplit))
 
 
