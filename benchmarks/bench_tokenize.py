@@ -6,6 +6,7 @@ peak memory against track length, and codes near segment boundaries against a wh
     .venv/bin/python benchmarks/bench_tokenize.py memory --work /tmp/bench_tok --weights W --minutes 2 10 --memory-repeats 4
     .venv/bin/python benchmarks/bench_tokenize.py boundary --work /tmp/bench_tok --weights W --tracks 24
     .venv/bin/python benchmarks/bench_tokenize.py workers --work /tmp/bench_tok --weights W --minutes 20
+    .venv/bin/python benchmarks/bench_tokenize.py encode --work /tmp/bench_tok --weights W --tracks 4 --repeats 6
 
 throughput: ``musiclm-stab tokenize`` (defaults: one worker process per core, batches of 8 segments)
 against the loop of the public implementation: one file at a time, decode it whole, ``convert_audio``
@@ -19,9 +20,10 @@ share); its peak resident memory as the kernel counts it (ru_maxrss: the largest
 run, a worker), the sum over the process tree sampled every 0.1 s (which can miss a short peak), wall
 time, real-time factor, CPU time, and from the unit records how many units there were and how many
 worker processes encoded them, and the largest process's RSS at its highest in each tenth of the run (flat
-when nothing grows with time). The peak is set by the encoder's activations for one batch (``--batch-size``
-segments) and by how the heap fragments in a worker's first batches, which differs between identical
-runs: ``--memory-repeats N`` runs every length N times, in rounds, to show that scatter. Compare tracks
+when nothing grows with time). The peak is set by the encoder's activations (its convolutions run one
+segment at a time, the LSTM on ``--batch-size`` segments) and by how the heap fragments in a worker's
+first batches, which differs between identical runs: ``--memory-repeats N`` runs every length N times, in
+rounds, to show that scatter. Compare tracks
 long enough to fill a batch (a 1-minute track has 6 segments: compare 2 minutes with 60 and 180).
 ``--naive-minutes`` runs the naive whole-track encode on tracks of those
 lengths for comparison (it grows with length: keep them short).
@@ -30,6 +32,10 @@ workers: one long track (``--minutes``, the first value) tokenized whole by one 
 ``--workers`` (default 2) workers: wall time of each, how many worker processes encoded units, and
 whether the two outputs hold bit-identical rows (ids, starts, pcm, codes). ``--piece-seconds`` sets the
 pieces' length (the default, 300 s in whole batches of 8 segments, cuts tracks of 640 s and more).
+encode: the encoder alone, in one process as a tokenizer worker runs it (one thread, its allocator
+setting): CPU time of ``encode_batch`` (convolutions one segment at a time, LSTM on the batch) against
+``model.encode`` on the whole batch, on the 10 s segments of ``--tracks`` corpus tracks in batches of
+``--batch-size``, alternating which goes first over ``--repeats`` rounds; and the fraction of equal codes.
 boundary: every 10 s segment encoded alone vs the whole track encoded at once: the fraction of equal
 codes per codebook by position within the segment (segments after the first of each track).
 ``--weights`` defaults to local weights fitted on the corpus (the pretrained model needs internet);
@@ -311,6 +317,54 @@ def workers(args, work: Path) -> dict:
     return {**results, "same_rows": same, "speedup": speedup}
 
 
+def encode(args, work: Path) -> dict:
+    """CPU time of encode_batch against model.encode on the same batches, alternating (module docstring)."""
+    import torch
+
+    from musiclm_stab.audio import load_audio
+    from musiclm_stab.threads import one_thread
+    from musiclm_stab.tokenizer.encode import encode_batch
+    from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
+    from musiclm_stab.tokenizer.workers import keep_freed_memory
+
+    keep_freed_memory()  # as in a worker process
+    files = corpus(work, args.tracks)
+    model, info = load_encodec(weights_file(work, files, args.weights))
+    prepare_for_inference(model)
+    seg = 240_000  # a 10 s segment
+    waves = [load_audio(f) for f in files]
+    pcm = torch.cat([w[: len(w) // seg * seg].view(-1, seg) for w in waves])
+    batches = list(pcm.split(args.batch_size))
+
+    def batched() -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.cat([model.encode(b.unsqueeze(1))[0][0].to(torch.int16) for b in batches])
+
+    def ours() -> torch.Tensor:
+        return torch.cat([encode_batch(model, b) for b in batches])
+
+    ways = {"model.encode on the batch": batched, "encode_batch": ours}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
+    with one_thread():
+        same = (batched() == ours()).float().mean().item()
+        for r in range(args.repeats):
+            for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                t = time.process_time()
+                ways[name]()
+                cpu[name].append(time.process_time() - t)
+    audio_s = len(pcm) * 10
+    print(f"{len(pcm)} segments of 10 s from {len(files)} tracks, batches of {args.batch_size}, one thread; "
+          f"weights {info['weights_sha256'][:12]}; equal codes {same:.6f}")
+    print("| way | CPU s per audio s, each round | median |")
+    print("|---|---|---|")
+    med = {name: float(np.median(v)) / audio_s for name, v in cpu.items()}
+    for name, v in cpu.items():
+        print(f"| {name} | " + " ".join(f"{x / audio_s:.4f}" for x in v) + f" | {med[name]:.4f} |")
+    ratio = med["encode_batch"] / med["model.encode on the batch"]
+    print(f"encode_batch / model.encode on the batch, CPU time (medians): {ratio:.3f}")
+    return {"segments": len(pcm), "equal_codes": same, "cpu_s": cpu, "ratio": ratio}
+
+
 def boundary(args, work: Path) -> dict:
     """Equal codes, per codebook and position in a segment, between per-segment and whole-track encodes."""
     import torch
@@ -357,7 +411,8 @@ def boundary(args, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["throughput", "memory", "workers", "boundary", "naive-child", "maxrss-child"])
+    p.add_argument("what", choices=["throughput", "memory", "workers", "encode", "boundary", "naive-child",
+                                         "maxrss-child"])
     p.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/bench_tokenize")
     p.add_argument("--weights", default=None)
@@ -367,7 +422,7 @@ def main() -> None:
     p.add_argument("--naive-minutes", type=float, nargs="*", default=[])
     p.add_argument("--memory-repeats", type=int, default=1,
                    help="memory: runs of each length, in rounds (the peak scatters between identical runs)")
-    p.add_argument("--batch-size", type=int, default=8, help="memory: the tokenizer's --batch-size")
+    p.add_argument("--batch-size", type=int, default=8, help="memory, encode: the tokenizer's --batch-size")
     p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
     p.add_argument("--piece-seconds", type=float, default=None,
                    help="workers: the tokenizer's --piece-seconds for the run in pieces (default: its own, 300 s; "
@@ -380,7 +435,8 @@ def main() -> None:
         return
     work = Path(args.work).resolve()  # the subset folder links to corpus files by absolute path
     work.mkdir(parents=True, exist_ok=True)
-    {"throughput": throughput, "memory": memory, "workers": workers, "boundary": boundary}[args.what](args, work)
+    {"throughput": throughput, "memory": memory, "workers": workers, "encode": encode,
+     "boundary": boundary}[args.what](args, work)
 
 
 if __name__ == "__main__":

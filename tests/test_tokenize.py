@@ -20,7 +20,7 @@ from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.tokenizer.segments import segment_bounds
 from musiclm_stab.tokenizer.sources import TokenizeError
 from musiclm_stab.tokenizer.store import OutputMismatch
-from musiclm_stab.tokenizer.weights import load_encodec
+from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
 
 SR = 24_000
 
@@ -70,6 +70,34 @@ def test_codes_are_the_encoders_codes_and_not_constant(tokenized_dataset, local_
         # AVX-512 machine (issue 13); 30 leaves a margin of 19 below the lowest seen, and a collapsed level
         # (one code, or a few) still fails
         assert min(distinct) >= 30, distinct
+
+
+def test_encode_batch_runs_the_convolutions_one_segment_at_a_time_with_the_codes_of_a_batched_encode(
+        local_weights, make_music):
+    """encode_batch on 4 segments: the encoder's first convolution sees one segment per call (so memory is
+    one segment's activations), its LSTM the whole batch, and the codes are model.encode's on the batch."""
+    model, _ = load_encodec(str(local_weights))
+    model = prepare_for_inference(model)
+    pcm = torch.from_numpy(make_music(8.0, seed=5)).view(4, -1)[:, : 2 * 24_000]  # 4 segments of 2 s
+    seen = {"first conv": [], "lstm": []}
+    first = model.encoder.model[0]
+    lstm = next(m for m in model.encoder.model if type(m).__name__ == "SLSTM")
+    hooks = [first.register_forward_pre_hook(lambda m, a: seen["first conv"].append(a[0].shape[0])),
+             lstm.register_forward_pre_hook(lambda m, a: seen["lstm"].append(a[0].shape[0]))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        codes = encode_batch(model, pcm)
+        for h in hooks:
+            h.remove()
+        with torch.inference_mode():
+            batched = model.encode(pcm.unsqueeze(1))[0][0].to(torch.int16)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"first conv": [1, 1, 1, 1], "lstm": [4]}
+    assert codes.shape == batched.shape == (4, 8, 150)
+    agree = (codes == batched).float().mean().item()
+    assert agree > 0.999, agree  # bit-exact here; a float-level tie may flip a code elsewhere
 
 
 def test_tokenizer_json_reports_each_codebooks_usage(tokenized_dataset):

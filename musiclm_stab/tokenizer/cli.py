@@ -44,7 +44,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="skip (default): leave out tracks and segments whose peak is below --silence-db, "
                    "reporting the tracks as failures of kind silent; keep: tokenize them")
     p.add_argument("--silence-db", type=float, default=-60.0, help="silence threshold, peak dBFS (default -60)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="segments encoded together (the encoder's LSTM runs on the batch; its convolutions, "
+                   "which hold the memory, one segment at a time)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--workers", type=int, default=None,
                    help="encoder processes (default: one per CPU core on cpu, 0 = in this process)")

@@ -28,16 +28,41 @@ if TYPE_CHECKING:
 
 
 def encode_batch(model: EncodecModel, pcm: torch.Tensor) -> torch.Tensor:
-    """EnCodec codes of equal-length segments: pcm [B, S] (S a multiple of 320) -> codes [B, K, T] int16."""
+    """EnCodec codes of equal-length segments: pcm [B, S] (S a multiple of 320) -> codes [B, K, T] int16.
+
+    The encoder's convolutions (everything before its LSTM, at 24 kHz down to 75 Hz) run one segment at
+    a time, the LSTM, the last convolution and the quantizer on the whole batch. The convolutions hold
+    almost all of the memory (their first layers: 32 channels at 24 kHz, ~31 MB per activation for a 10 s
+    segment) and gain nothing from a batch on a CPU; the LSTM's steps do gain from one. So memory is one
+    segment's activations whatever the batch size, at the same CPU time, and the codes are those of
+    ``model.encode`` on the batch (bit for bit on the AVX2 machine measured: a convolution of one segment
+    does not depend on the others in its batch; benchmarks/README.md, "Encoding one segment's
+    convolutions at a time").
+    """
     B, S = pcm.shape
+    if model.normalize or model.segment is not None:
+        raise ValueError("encode_batch needs the 24 kHz EnCodec (no input normalization, one frame per "
+                         f"segment); got normalize={model.normalize}, segment={model.segment}")
+    front, back = _split_at_lstm(model)
     device = next(model.parameters()).device
     with torch.inference_mode():
-        frames = model.encode(pcm.to(device).unsqueeze(1))  # x: (B, 1, S)
-    assert len(frames) == 1, "the 24 kHz model encodes a segment in one frame"
-    codes = frames[0][0]  # (B, K, T)
+        x = pcm.to(device).unsqueeze(1)  # (B, 1, S)
+        emb = back(torch.cat([front(x[b : b + 1]) for b in range(B)]))
+        codes = model.quantizer.encode(emb, model.frame_rate, model.bandwidth).transpose(0, 1)  # (B, K, T)
     assert codes.shape == (B, NUM_CODEBOOKS, S // HOP_LENGTH), \
         f"EnCodec gave codes {tuple(codes.shape)} for input {(B, 1, S)}; expected {(B, NUM_CODEBOOKS, S // HOP_LENGTH)}"
     return codes.to(torch.int16).cpu()
+
+
+def _split_at_lstm(model: EncodecModel) -> tuple[torch.nn.Sequential, torch.nn.Sequential]:
+    """The encoder's layers before its LSTM, and the LSTM with the layers after it."""
+    from encodec.modules.lstm import SLSTM
+
+    layers = list(model.encoder.model)
+    cut = next((i for i, layer in enumerate(layers) if isinstance(layer, SLSTM)), None)
+    if cut is None:
+        raise ValueError("the EnCodec encoder has no LSTM layer: not the 24 kHz model's SEANet encoder")
+    return torch.nn.Sequential(*layers[:cut]), torch.nn.Sequential(*layers[cut:])
 
 
 def _precision_knobs() -> dict[str, Any]:

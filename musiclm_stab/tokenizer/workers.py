@@ -47,8 +47,10 @@ def keep_freed_memory() -> bool:
     spent in the kernel. With an mmap threshold of 1 GiB the heap keeps the freed blocks and the next
     batch, of the same shapes, reuses them; trimming is off, so the heap's top is not handed back
     either (it came back at the next batch, faulting again: up to 20% more CPU in some runs).
-    The price is the heap's fragmentation: a worker's peak RSS settles 15-60% above its first batch's
-    within its first few batches, whatever the track lengths (benchmarks/README.md, "Peak memory").
+    The price is the heap's fragmentation: a worker's RSS climbs over its first batches and then stays.
+    When whole batches went through the convolutions it settled 1-1.5 GB above the first batch's; since
+    ``encode_batch`` runs them one segment at a time, the blocks are one segment's size and the climb is
+    ~0.1 GB (benchmarks/README.md, "Peak memory").
     Linux/glibc only; returns whether it applied. Called in the worker processes only: it changes the
     allocator of the whole process.
     """
