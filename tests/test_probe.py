@@ -136,9 +136,9 @@ def test_probe_scores_every_layer_and_baseline_deterministically(trained_run, re
 
 
 def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path):
-    """`study --probe`'s step: the pitch probes of seed 0 of each of the four configurations (not the other
-    seeds), against random init at the one L2 penalty, their figure among the study's figures, and the
-    claims table's probe column with one value per configuration."""
+    """`study --probe`'s step, two runs at a time: the pitch probes of seed 0 of each of the four
+    configurations (not the other seeds), against random init at the one L2 penalty, their figure among the
+    study's figures, and the claims table's probe column with one value per configuration."""
     from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.experiments.study import PROBE, probe_study
     from musiclm_stab.experiments.study_plan import plan_study
@@ -147,7 +147,7 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
         "model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
         "train.diagnostics_every=0"])
     dirs = [train(run.config()) for run in study.runs]
-    figure = probe_study(study, progress=False)
+    figure = probe_study(study, progress=False, jobs=2)  # two runs at a time, in spawned processes
     assert figure == study.figures_dir / "probe.png" and figure.stat().st_size > 10_000
     probed = [d for d in dirs if (d / "probe" / "probe.json").is_file()]
     assert probed == [run.config().run_dir for run in study.runs if run.seed == 0] and len(probed) == 4

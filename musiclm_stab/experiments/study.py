@@ -100,14 +100,14 @@ def format_summary(rows: list[dict]) -> str:
 PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
 
 
-def probe_study(study: Study, progress: bool = True) -> Path:
+def probe_study(study: Study, progress: bool = True, jobs: int = 1) -> Path:
     """Linear pitch probes of the final checkpoint of seed 0 of each configuration, each against its own
     random init, and their figure (``probe.png`` in the study's figures folder); returns the figure.
 
     Seed 0 only, one task, one baseline and one L2 penalty (0.01, as the committed CPU study was probed;
     ``musiclm-stab probe`` chooses among four by inner cross-validation, four times the fits) bound its
     cost (timed in ``timing.json``). Each probed run gets RUN/probe/probe.json, which the claims table reads
-    for its probe column (one value per configuration: seed 0's).
+    for its probe column (one value per configuration: seed 0's). ``jobs`` runs are probed at a time.
     """
     from musiclm_stab.analysis.probe import probe_runs
     from musiclm_stab.analysis.probe_figure import save_probe_figure
@@ -115,7 +115,7 @@ def probe_study(study: Study, progress: bool = True) -> Path:
     dirs = [run.config().run_dir for run in study.runs if run.seed == 0]
     print(f"\n=== linear probes (pitch, against random init) of seed 0 of each configuration: {len(dirs)} runs",
           flush=True)
-    results = probe_runs(dirs, progress=progress, **PROBE)
+    results = probe_runs(dirs, jobs=jobs, progress=progress, **PROBE)
     return save_probe_figure(results, study.figures_dir / "probe.png")
 
 
@@ -216,7 +216,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
 
     run_dirs = [cfg.run_dir for cfg in configs]
     t_probe = time.time()
-    written = [probe_study(study)] if probe else []
+    written = [probe_study(study, jobs=jobs)] if probe else []
     probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     written += plot_runs(run_dirs, study.figures_dir, smooth=study.smooth, bands=True, extra=True, formats=formats)
@@ -259,7 +259,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, help="seeds per configuration, 0..N-1 (default: cpu 3, gpu 1, full 1)")
     p.add_argument("--order", choices=ORDERS, default="paired",
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
-    p.add_argument("--jobs", type=int, help="runs trained at a time (default: cpu 2, else 1)")
+    p.add_argument("--jobs", type=int,
+                   help="runs trained, and with --probe probed, at a time (default: cpu 2, else 1)")
     p.add_argument("--probe", action="store_true",
                    help="linear pitch probes of seed 0 of each configuration (figure probe.png and a column of the claims "
                         "table; needs the corpus's labels)")
