@@ -1,5 +1,5 @@
 """How long the training loop is blocked per checkpoint: the synchronous ``checkpoint.save`` (accelerate's
-save_state, then hashing, manifest, rename) vs ``checkpoint.CheckpointWriter`` (a CPU copy of the state;
+save_state, then hashing, manifest, rename) vs ``checkpoint_writer.CheckpointWriter`` (a CPU copy of the state;
 the files written, fsynced and hashed by a thread, published at the next poll/save/wait).
 
 Our model with fused AdamW moments (as after a step), LambdaLR and the trainer's registered objects;
@@ -26,7 +26,7 @@ from accelerate.state import AcceleratorState
 
 from musiclm_stab.config import ModelConfig, OptimConfig
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.training import checkpoint
+from musiclm_stab.training import checkpoint, checkpoint_writer
 from musiclm_stab.training.stability import GradClipper
 
 
@@ -66,8 +66,8 @@ def main() -> None:
         acc = setup(size, args.device)
         run_dir = root / size
         shutil.rmtree(run_dir, ignore_errors=True)
-        writer = checkpoint.CheckpointWriter(acc, run_dir / "bg")
-        assert writer.background, checkpoint.snapshot_unsupported(acc)
+        writer = checkpoint_writer.CheckpointWriter(acc, run_dir / "bg")
+        assert writer.background, checkpoint_writer.snapshot_unsupported(acc)
         t_sync, t_blocked, t_total = [], [], []
         for r in range(args.rounds + 1):  # round 0: warm-up (pinned buffers, page cache, imports)
             t = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (checkpoint.CheckpointWriter): the same files as accelerate's
+"""Checkpoints written in the background (checkpoint_writer.CheckpointWriter): the same files as accelerate's
 save_state, the training thread blocked only for the CPU copy, still atomic, failures still raised."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from musiclm_stab.training import checkpoint
+from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 
 SLOW_S = 2.0  # a slow disk: each file written into a partial checkpoint takes this long
 
@@ -77,7 +78,7 @@ def test_background_files_hash_as_save_state(accelerator, tmp_path):
     """The writer's files are accelerate's: the same names and the same sha256 as accelerator.save_state
     (checkpoint.save) gives for the same state, so accelerator.load_state reads them as its own."""
     sync_ckpt = checkpoint.save(accelerator, tmp_path / "sync", 3, {"consumed_micro_batches": 5}, keep=2)
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path / "bg")
+    writer = CheckpointWriter(accelerator, tmp_path / "bg")
     assert writer.background
     final = writer.save(3, {"consumed_micro_batches": 5}, keep=2)
     assert writer.wait() == final
@@ -94,7 +95,7 @@ def test_load_state_restores_a_background_checkpoint(accelerator, tmp_path):
     """accelerator.load_state of a background checkpoint restores weights, optimizer moments, scheduler,
     registered object and RNG exactly, even though training changed all of them after the save."""
     model, opt, sched, counter = accelerator.test_objects
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path)
+    writer = CheckpointWriter(accelerator, tmp_path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     torch.manual_seed(123)
@@ -122,7 +123,7 @@ def test_save_returns_before_the_slow_write(accelerator, tmp_path, monkeypatch):
     >= 4 * SLOW_S: four torch.save files); the files are written by the checkpoint thread; poll() does not
     wait for it and publishes nothing while it runs; wait() publishes a complete, intact checkpoint."""
     threads = _slow_torch_save(monkeypatch)
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path)
+    writer = CheckpointWriter(accelerator, tmp_path)
     t = time.perf_counter()
     final = writer.save(2, {}, keep=2)
     blocked = time.perf_counter() - t
@@ -139,7 +140,7 @@ def test_save_returns_before_the_slow_write(accelerator, tmp_path, monkeypatch):
 def test_poll_publishes_when_done_and_prunes(accelerator, tmp_path):
     """poll() publishes a finished write (manifest, rename, pruning to keep=2) without a wait; the next save
     publishes a write poll has not seen yet."""
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path)
+    writer = CheckpointWriter(accelerator, tmp_path)
     for step in (1, 2, 3):
         final = writer.save(step, {}, keep=2)
         writer.pending.thread.join()
@@ -156,7 +157,7 @@ def test_background_write_failure_raised_at_wait(accelerator, tmp_path, monkeypa
     """A full disk in the checkpoint thread: wait() raises the CheckpointWriteError the synchronous save
     raises (directory, reason, previous checkpoint intact), the partial write is removed, nothing is
     published, and the writer is usable again afterwards."""
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path)
+    writer = CheckpointWriter(accelerator, tmp_path)
     writer.save(2, {}, keep=2)
     writer.wait()
     _slow_torch_save(monkeypatch, delay=0.0, fail=True)
@@ -180,7 +181,7 @@ def test_unsupported_setup_falls_back_to_synchronous_save(accelerator, tmp_path)
     checkpoint is published when save() returns, and the hook ran."""
     calls = []
     accelerator.register_save_state_pre_hook(lambda models, weights, out: calls.append(out))
-    writer = checkpoint.CheckpointWriter(accelerator, tmp_path)
+    writer = CheckpointWriter(accelerator, tmp_path)
     assert not writer.background
     final = writer.save(1, {}, keep=2)
     assert writer.pending is None and checkpoint.verify(final) is None and len(calls) == 1

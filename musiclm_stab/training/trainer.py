@@ -29,6 +29,7 @@ from musiclm_stab.config import Config, ConfigError, load_config
 from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint
+from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
 from musiclm_stab.training.resume import check_resumable
@@ -110,10 +111,10 @@ class Trainer:
                 model, optimizer, loader, scheduler)
         self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
         accelerator.register_for_checkpointing(self.clipper, self.guard)
-        # Checkpoints written by a thread after a fast CPU copy of the state (checkpoint.CheckpointWriter).
+        # Checkpoints written by a thread after a fast CPU copy of the state (checkpoint_writer.CheckpointWriter).
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
-        self.checkpoints = checkpoint.CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
+        self.checkpoints = CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         if resume:
