@@ -7,6 +7,7 @@ peak memory against track length, and codes near segment boundaries against a wh
     .venv/bin/python benchmarks/bench_tokenize.py boundary --work /tmp/bench_tok --weights W --tracks 24
     .venv/bin/python benchmarks/bench_tokenize.py workers --work /tmp/bench_tok --weights W --minutes 20
     .venv/bin/python benchmarks/bench_tokenize.py encode --work /tmp/bench_tok --weights W --tracks 4 --repeats 6
+    .venv/bin/python benchmarks/bench_tokenize.py capability --work /tmp/bench_tok --weights W --tracks 4
 
 throughput: ``musiclm-stab tokenize`` (defaults: one worker process per core, batches of 8 segments)
 against the loop of the public implementation: one file at a time, decode it whole, ``convert_audio``
@@ -20,7 +21,8 @@ share); its peak resident memory as the kernel counts it (ru_maxrss: the largest
 run, a worker), the sum over the process tree sampled every 0.1 s (which can miss a short peak), wall
 time, real-time factor, CPU time, and from the unit records how many units there were and how many
 worker processes encoded them, and the largest process's RSS at its highest in each tenth of the run (flat
-when nothing grows with time). The peak is set by the encoder's activations (its convolutions run one
+when nothing grows with time) with which process that was (the tokenize command itself, "main", or a
+"worker"). The peak is set by the encoder's activations (its convolutions run one
 segment at a time, the LSTM on ``--batch-size`` segments) and by how the heap fragments in a worker's
 first batches, which differs between identical runs: ``--memory-repeats N`` runs every length N times, in
 rounds, to show that scatter. Compare tracks
@@ -36,6 +38,9 @@ encode: the encoder alone, in one process as a tokenizer worker runs it (one thr
 setting): CPU time of ``encode_batch`` (convolutions one segment at a time, LSTM on the batch) against
 ``model.encode`` on the whole batch, on the 10 s segments of ``--tracks`` corpus tracks in batches of
 ``--batch-size``, alternating which goes first over ``--repeats`` rounds; and the fraction of equal codes.
+capability: the same ``--tracks`` corpus tracks tokenized (fresh processes, the tokenizer's defaults) under
+each ``ATEN_CPU_CAPABILITY`` of ``--capabilities`` (torch's CPU kernels for that instruction set; a value
+the CPU lacks falls back to the best it has): the fraction of equal codes per codebook against the first.
 boundary: every 10 s segment encoded alone vs the whole track encoded at once: the fraction of equal
 codes per codebook by position within the segment (segments after the first of each track).
 ``--weights`` defaults to local weights fitted on the corpus (the pretrained model needs internet);
@@ -88,24 +93,26 @@ def run_measured(cmd: list[str]) -> dict:
     proc = subprocess.Popen([sys.executable, __file__, "maxrss-child", *cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak = 0
-    largest: list[tuple[float, int]] = []  # (time, RSS of the largest process then)
+    largest: list[tuple[float, int, str]] = []  # (time, RSS of the largest process then, which one)
     ps = psutil.Process(proc.pid)
     while proc.poll() is None:
         try:
             each = []
             for p in [ps, *ps.children(recursive=True)]:
-                try:
-                    each.append(p.memory_info().rss)
+                try:  # the command itself is the wrapper's child ("main"); its children are "worker"s
+                    each.append((p.memory_info().rss, "main" if p.ppid() == proc.pid else
+                                 "wrapper" if p.pid == proc.pid else "worker"))
                 except psutil.Error:  # a process that ended between listing and reading
                     pass
-            peak = max(peak, sum(each))
-            largest.append((time.perf_counter() - t0, max(each, default=0)))
+            peak = max(peak, sum(r for r, _ in each))
+            largest.append((time.perf_counter() - t0, *max(each, default=(0, ""))))
         except psutil.Error:
             pass
         time.sleep(0.1)
     wall = time.perf_counter() - t0
-    # the largest process's RSS at its highest in each tenth of the run: flat when nothing grows with time
-    tenths = [max((r for t, r in largest if i * wall / 10 <= t < (i + 1) * wall / 10), default=0) / 2**20
+    # the largest process's RSS at its highest in each tenth of the run (flat when nothing grows with
+    # time), and which process that was
+    tenths = [max(((r, who) for t, r, who in largest if i * wall / 10 <= t < (i + 1) * wall / 10), default=(0, ""))
               for i in range(10)]
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     output = proc.stdout.read()
@@ -114,7 +121,8 @@ def run_measured(cmd: list[str]) -> dict:
     cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     maxrss_kb = int(output.rstrip().splitlines()[-1].split()[-1])  # the wrapper's last line
     return {"wall_s": wall, "cpu_s": cpu, "peak_tree_rss_mb": peak / 2**20, "peak_process_rss_mb": maxrss_kb / 1024,
-            "load_before": load, "largest_by_tenth_mb": [round(x) for x in tenths], "output": output}
+            "load_before": load, "largest_by_tenth_mb": [round(r / 2**20) for r, _ in tenths],
+            "largest_by_tenth_is": [who for _, who in tenths], "output": output}
 
 
 def maxrss_child(cmd: list[str]) -> None:
@@ -146,14 +154,20 @@ def naive_child(weights: str, files: list[str]) -> None:
     print(json.dumps({"seconds": seconds}))
 
 
-def throughput(args, work: Path) -> dict:
-    files = corpus(work, args.tracks)
-    weights = weights_file(work, files, args.weights)
-    subset = work / f"subset_{args.tracks}"
+def subset_folder(work: Path, files: list[Path]) -> Path:
+    """A folder of links to ``files`` (the tokenizer's input)."""
+    subset = work / f"subset_{len(files)}"
     if not subset.exists():
         subset.mkdir()
         for f in files:
             (subset / f.name).symlink_to(f)
+    return subset
+
+
+def throughput(args, work: Path) -> dict:
+    files = corpus(work, args.tracks)
+    weights = weights_file(work, files, args.weights)
+    subset = subset_folder(work, files)
     audio_s = sum(sf.info(f).duration for f in files)
     runs, cpu = {"ours": [], "naive": []}, {"ours": [], "naive": []}
     for rep in range(args.repeats):
@@ -231,7 +245,7 @@ def memory(args, work: Path) -> dict:
         records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").glob("u*.json")]
         pids = {rec.get("pid") for rec in records}
         row = {k: r[k] for k in ("wall_s", "cpu_s", "peak_process_rss_mb", "peak_tree_rss_mb", "load_before",
-                                 "largest_by_tenth_mb")}
+                                 "largest_by_tenth_mb", "largest_by_tenth_is")}
         row.update(minutes=minutes, repeat=repeat, x_realtime=minutes * 60 / r["wall_s"], units=len(records),
                    worker_processes=len(pids - {None}))
         results[f"ours_{minutes:g}min_{repeat}"] = row
@@ -240,7 +254,8 @@ def memory(args, work: Path) -> dict:
               f"(sampled, process tree: {r['peak_tree_rss_mb']:.0f} MB), {r['wall_s']:.0f} s "
               f"({minutes * 60 / r['wall_s']:.2f}x real time, CPU {r['cpu_s']:.0f} s), {len(records)} units by "
               f"{row['worker_processes']} worker processes; load average before {r['load_before']:.1f}; "
-              f"largest process by tenth of the run (MB): {r['largest_by_tenth_mb']}; "
+              f"largest process by tenth of the run (MB): {r['largest_by_tenth_mb']} "
+              f"({', '.join(r['largest_by_tenth_is'])}); "
               f"{line[0] if line else ''}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     if rows:
@@ -284,6 +299,41 @@ def _same_rows(a: Path, b: Path) -> bool:
             if not all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(x[col], y[col], strict=True)):
                 return False
     return True
+
+
+def capability(args, work: Path) -> dict:
+    """The same tracks tokenized under each ATEN_CPU_CAPABILITY: equal codes per codebook vs the first."""
+    from musiclm_stab.data.tokenized import load_tokenized
+
+    files = corpus(work, args.tracks)
+    weights = weights_file(work, files, args.weights)
+    subset = subset_folder(work, files)
+    codes = {}
+    for cap in args.capabilities:
+        out = work / f"tokens_{cap}"
+        shutil.rmtree(out, ignore_errors=True)
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap}
+        subprocess.run([*CLI, "tokenize", str(subset), str(out), "--weights", weights, "--no-progress"],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        data = load_tokenized(out)[0].with_format("numpy")
+        codes[cap] = np.concatenate([np.asarray(c) for c in data["codes"]], axis=-1)  # (codebooks, frames)
+        shutil.rmtree(out)
+    first = args.capabilities[0]
+    result = {"tracks": len(files), "frames": int(codes[first].shape[-1]), "weights": Path(weights).name,
+              "cpu_capability_default": _cpu_capability()}
+    for cap in args.capabilities[1:]:
+        same = (codes[cap] == codes[first]).mean(axis=-1)
+        result[f"{cap}_vs_{first}"] = [round(float(x), 5) for x in same]
+        print(f"{cap} vs {first}: equal codes per codebook {' '.join(f'{x:.4f}' for x in same)}; "
+              f"overall {float((codes[cap] == codes[first]).mean()):.4f}", flush=True)
+    print(json.dumps(result))
+    return result
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def workers(args, work: Path) -> dict:
@@ -411,8 +461,8 @@ def boundary(args, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["throughput", "memory", "workers", "encode", "boundary", "naive-child",
-                                         "maxrss-child"])
+    p.add_argument("what", choices=["throughput", "memory", "workers", "encode", "boundary", "capability",
+                                    "naive-child", "maxrss-child"])
     p.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/bench_tokenize")
     p.add_argument("--weights", default=None)
@@ -424,6 +474,8 @@ def main() -> None:
                    help="memory: runs of each length, in rounds (the peak scatters between identical runs)")
     p.add_argument("--batch-size", type=int, default=8, help="memory, encode: the tokenizer's --batch-size")
     p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
+    p.add_argument("--capabilities", nargs="+", default=["default", "avx2", "avx512"],
+                   help="capability: ATEN_CPU_CAPABILITY values to compare, the first the reference")
     p.add_argument("--piece-seconds", type=float, default=None,
                    help="workers: the tokenizer's --piece-seconds for the run in pieces (default: its own, 300 s; "
                    "a track is cut when it holds two pieces of whole batches, i.e. from 640 s at --batch-size 8)")
@@ -436,7 +488,7 @@ def main() -> None:
     work = Path(args.work).resolve()  # the subset folder links to corpus files by absolute path
     work.mkdir(parents=True, exist_ok=True)
     {"throughput": throughput, "memory": memory, "workers": workers, "encode": encode,
-     "boundary": boundary}[args.what](args, work)
+     "boundary": boundary, "capability": capability}[args.what](args, work)
 
 
 if __name__ == "__main__":
