@@ -35,9 +35,9 @@ def encode_batch(model: EncodecModel, pcm: torch.Tensor) -> torch.Tensor:
     almost all of the memory (their first layers: 32 channels at 24 kHz, ~31 MB per activation for a 10 s
     segment) and gain nothing from a batch on a CPU; the LSTM's steps do gain from one. So memory is one
     segment's activations whatever the batch size, at the same CPU time, and the codes are those of
-    ``model.encode`` on the batch (bit for bit on the AVX2 machine measured: a convolution of one segment
-    does not depend on the others in its batch; benchmarks/README.md, "Encoding one segment's
-    convolutions at a time").
+    ``model.encode`` on the batch (bit for bit on both CPUs measured, an AMD EPYC with AVX2 and an Intel
+    Xeon with AVX-512: a convolution of one segment does not depend on the others in its batch;
+    benchmarks/README.md, "Encoding one segment's convolutions at a time").
     """
     B, S = pcm.shape
     if model.normalize or model.segment is not None:
