@@ -8,6 +8,7 @@ peak memory against track length, and codes near segment boundaries against a wh
     .venv/bin/python benchmarks/bench_tokenize.py workers --work /tmp/bench_tok --weights W --minutes 20
     .venv/bin/python benchmarks/bench_tokenize.py encode --work /tmp/bench_tok --weights W --tracks 4 --repeats 6
     .venv/bin/python benchmarks/bench_tokenize.py capability --work /tmp/bench_tok --weights W --tracks 4
+    .venv/bin/python benchmarks/bench_tokenize.py devices --work /tmp/bench_tok --weights W --tracks 24   # GPU
 
 throughput: ``musiclm-stab tokenize`` (defaults: one worker process per core, batches of 8 segments)
 against the loop of the public implementation: one file at a time, decode it whole, ``convert_audio``
@@ -41,6 +42,8 @@ setting): CPU time of ``encode_batch`` (convolutions one segment at a time, LSTM
 capability: the same ``--tracks`` corpus tracks tokenized (fresh processes, the tokenizer's defaults) under
 each ``ATEN_CPU_CAPABILITY`` of ``--capabilities`` (torch's CPU kernels for that instruction set; a value
 the CPU lacks falls back to the best it has): the fraction of equal codes per codebook against the first.
+devices: the same tracks tokenized with each ``--device`` of ``--devices`` (default cpu cuda): equal codes
+per codebook against the first, and each run's real-time factor (a fresh process, end to end).
 boundary: every 10 s segment encoded alone vs the whole track encoded at once: the fraction of equal
 codes per codebook by position within the segment (segments after the first of each track).
 ``--weights`` defaults to local weights fitted on the corpus (the pretrained model needs internet);
@@ -301,33 +304,62 @@ def _same_rows(a: Path, b: Path) -> bool:
     return True
 
 
-def capability(args, work: Path) -> dict:
-    """The same tracks tokenized under each ATEN_CPU_CAPABILITY: equal codes per codebook vs the first."""
+def _codes_of(subset: Path, weights: str, out: Path, env: dict | None = None, extra: tuple = ()) -> tuple:
+    """Tokenize ``subset`` in a fresh process (the tokenizer's defaults, plus ``extra``); its codes, as
+    (codebooks, frames) over all rows in order, and the wall time."""
     from musiclm_stab.data.tokenized import load_tokenized
 
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([*CLI, "tokenize", str(subset), str(out), "--weights", weights, "--no-progress", *extra],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    data = load_tokenized(out)[0].with_format("numpy")
+    codes = np.concatenate([np.asarray(c) for c in data["codes"]], axis=-1)
+    shutil.rmtree(out)
+    return codes, wall
+
+
+def _agreement(codes: dict[str, np.ndarray], result: dict) -> dict:
+    """Equal codes per codebook of every variant against the first, printed and added to ``result``."""
+    names = list(codes)
+    for name in names[1:]:
+        same = (codes[name] == codes[names[0]]).mean(axis=-1)
+        result[f"{name}_vs_{names[0]}"] = [round(float(x), 5) for x in same]
+        print(f"{name} vs {names[0]}: equal codes per codebook {' '.join(f'{x:.4f}' for x in same)}; "
+              f"overall {float((codes[name] == codes[names[0]]).mean()):.4f}", flush=True)
+    print(json.dumps(result))
+    return result
+
+
+def capability(args, work: Path) -> dict:
+    """The same tracks tokenized under each ATEN_CPU_CAPABILITY: equal codes per codebook vs the first."""
     files = corpus(work, args.tracks)
     weights = weights_file(work, files, args.weights)
     subset = subset_folder(work, files)
-    codes = {}
-    for cap in args.capabilities:
-        out = work / f"tokens_{cap}"
-        shutil.rmtree(out, ignore_errors=True)
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap}
-        subprocess.run([*CLI, "tokenize", str(subset), str(out), "--weights", weights, "--no-progress"],
-                       env=env, check=True, stdout=subprocess.DEVNULL)
-        data = load_tokenized(out)[0].with_format("numpy")
-        codes[cap] = np.concatenate([np.asarray(c) for c in data["codes"]], axis=-1)  # (codebooks, frames)
-        shutil.rmtree(out)
-    first = args.capabilities[0]
-    result = {"tracks": len(files), "frames": int(codes[first].shape[-1]), "weights": Path(weights).name,
-              "cpu_capability_default": _cpu_capability()}
-    for cap in args.capabilities[1:]:
-        same = (codes[cap] == codes[first]).mean(axis=-1)
-        result[f"{cap}_vs_{first}"] = [round(float(x), 5) for x in same]
-        print(f"{cap} vs {first}: equal codes per codebook {' '.join(f'{x:.4f}' for x in same)}; "
-              f"overall {float((codes[cap] == codes[first]).mean()):.4f}", flush=True)
-    print(json.dumps(result))
-    return result
+    codes = {cap: _codes_of(subset, weights, work / f"tokens_{cap}", {**os.environ, "ATEN_CPU_CAPABILITY": cap})[0]
+             for cap in args.capabilities}
+    first = codes[args.capabilities[0]]
+    return _agreement(codes, {"tracks": len(files), "frames": int(first.shape[-1]), "weights": Path(weights).name,
+                              "cpu_capability_default": _cpu_capability()})
+
+
+def devices(args, work: Path) -> dict:
+    """The same tracks tokenized with each ``--device`` (fresh processes, TF32 off as the tokenizer always
+    runs): equal codes per codebook vs the first device, and each one's real-time factor."""
+    files = corpus(work, args.tracks)
+    weights = weights_file(work, files, args.weights)
+    subset = subset_folder(work, files)
+    audio_s = sum(sf.info(f).duration for f in files)
+    codes, result = {}, {"tracks": len(files), "audio_seconds": audio_s, "weights": Path(weights).name}
+    for i, device in enumerate(args.devices):
+        name = f"{device}{i}" if args.devices.count(device) > 1 else device
+        codes[name], wall = _codes_of(subset, weights, work / f"tokens_{name}", extra=("--device", device))
+        result[f"{name}_x_realtime"] = audio_s / wall
+        print(f"{name}: {audio_s:.0f} s of audio in {wall:.1f} s = {audio_s / wall:.1f}x real time "
+              "(a fresh process: imports and model load included)", flush=True)
+    result["frames"] = int(next(iter(codes.values())).shape[-1])
+    return _agreement(codes, result)
 
 
 def _cpu_capability() -> str:
@@ -462,7 +494,7 @@ def boundary(args, work: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["throughput", "memory", "workers", "encode", "boundary", "capability",
-                                    "naive-child", "maxrss-child"])
+                                    "devices", "naive-child", "maxrss-child"])
     p.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/bench_tokenize")
     p.add_argument("--weights", default=None)
@@ -476,6 +508,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
     p.add_argument("--capabilities", nargs="+", default=["default", "avx2", "avx512"],
                    help="capability: ATEN_CPU_CAPABILITY values to compare, the first the reference")
+    p.add_argument("--devices", nargs="+", default=["cpu", "cuda"],
+                   help="devices: the tokenizer's --device values to compare, the first the reference")
     p.add_argument("--piece-seconds", type=float, default=None,
                    help="workers: the tokenizer's --piece-seconds for the run in pieces (default: its own, 300 s; "
                    "a track is cut when it holds two pieces of whole batches, i.e. from 640 s at --batch-size 8)")
@@ -488,7 +522,7 @@ def main() -> None:
     work = Path(args.work).resolve()  # the subset folder links to corpus files by absolute path
     work.mkdir(parents=True, exist_ok=True)
     {"throughput": throughput, "memory": memory, "workers": workers, "encode": encode,
-     "boundary": boundary, "capability": capability}[args.what](args, work)
+     "boundary": boundary, "capability": capability, "devices": devices}[args.what](args, work)
 
 
 if __name__ == "__main__":
