@@ -70,7 +70,15 @@ REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "musiclm_stab.cli"]
 
 
-def corpus(work: Path, tracks: int) -> list[Path]:
+def corpus(work: Path, tracks: int, audio: str | None = None) -> list[Path]:
+    """The first ``tracks`` of the default corpus (rendered into ``work``), or of the audio files in the
+    folder ``audio`` (where the corpus cannot be rendered, e.g. on the GPU machine)."""
+    if audio:
+        files = sorted(p.resolve() for p in Path(audio).iterdir()
+                       if p.suffix.lower() in (".flac", ".wav", ".ogg", ".mp3"))
+        if not files:
+            raise SystemExit(f"--audio {audio}: no .flac/.wav/.ogg/.mp3 files")
+        return files[:tracks]
     from musiclm_stab.corpus.build import build_corpus
 
     return build_corpus(work / "corpus", num_tracks=max(tracks, 24), seed=0, progress=False)[:tracks]
@@ -158,17 +166,17 @@ def naive_child(weights: str, files: list[str]) -> None:
 
 
 def subset_folder(work: Path, files: list[Path]) -> Path:
-    """A folder of links to ``files`` (the tokenizer's input)."""
+    """A folder of links to ``files`` (the tokenizer's input), made anew."""
     subset = work / f"subset_{len(files)}"
-    if not subset.exists():
-        subset.mkdir()
-        for f in files:
-            (subset / f.name).symlink_to(f)
+    shutil.rmtree(subset, ignore_errors=True)
+    subset.mkdir()
+    for f in files:
+        (subset / f.name).symlink_to(Path(f).resolve())
     return subset
 
 
 def throughput(args, work: Path) -> dict:
-    files = corpus(work, args.tracks)
+    files = corpus(work, args.tracks, args.audio)
     weights = weights_file(work, files, args.weights)
     subset = subset_folder(work, files)
     audio_s = sum(sf.info(f).duration for f in files)
@@ -334,7 +342,7 @@ def _agreement(codes: dict[str, np.ndarray], result: dict) -> dict:
 
 def capability(args, work: Path) -> dict:
     """The same tracks tokenized under each ATEN_CPU_CAPABILITY: equal codes per codebook vs the first."""
-    files = corpus(work, args.tracks)
+    files = corpus(work, args.tracks, args.audio)
     weights = weights_file(work, files, args.weights)
     subset = subset_folder(work, files)
     codes = {cap: _codes_of(subset, weights, work / f"tokens_{cap}", {**os.environ, "ATEN_CPU_CAPABILITY": cap})[0]
@@ -347,7 +355,7 @@ def capability(args, work: Path) -> dict:
 def devices(args, work: Path) -> dict:
     """The same tracks tokenized with each ``--device`` (fresh processes, TF32 off as the tokenizer always
     runs): equal codes per codebook vs the first device, and each one's real-time factor."""
-    files = corpus(work, args.tracks)
+    files = corpus(work, args.tracks, args.audio)
     weights = weights_file(work, files, args.weights)
     subset = subset_folder(work, files)
     audio_s = sum(sf.info(f).duration for f in files)
@@ -410,7 +418,7 @@ def encode(args, work: Path) -> dict:
     from musiclm_stab.tokenizer.workers import keep_freed_memory
 
     keep_freed_memory()  # as in a worker process
-    files = corpus(work, args.tracks)
+    files = corpus(work, args.tracks, args.audio)
     model, info = load_encodec(weights_file(work, files, args.weights))
     prepare_for_inference(model)
     seg = 240_000  # a 10 s segment
@@ -455,7 +463,7 @@ def boundary(args, work: Path) -> dict:
     from musiclm_stab.threads import one_thread
     from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
 
-    files = corpus(work, args.tracks)
+    files = corpus(work, args.tracks, args.audio)
     model, info = load_encodec(weights_file(work, files, args.weights))
     prepare_for_inference(model)
     seg = 750  # frames of a 10 s segment
@@ -499,6 +507,9 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/bench_tokenize")
     p.add_argument("--weights", default=None)
     p.add_argument("--tracks", type=int, default=8)
+    p.add_argument("--audio", default=None,
+                   help="throughput, encode, boundary, capability, devices: the first --tracks audio files of this "
+                   "folder instead of the default corpus (rendered, which needs the corpus extras)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--minutes", type=float, nargs="+", default=[2, 60, 180])
     p.add_argument("--naive-minutes", type=float, nargs="*", default=[])

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 17 in one run, <= 8 minutes on one H200; each table goes to a file in $OUT.
+# Every GPU measurement of issue 17, and the tokenizer on a GPU (issue 13), in one run, <= 8 minutes on one
+# H200; each table goes to a file in $OUT.
 #
 #   bash benchmarks/gpu_suite.sh            # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_suite.sh --smoke    # CPU, tiny sizes, one step each: that the suite runs (tests)
@@ -16,6 +17,9 @@
 #   peer.md/.json        ours vs transformers.HubertModel (our heads and loss), base batch 64, bf16/fp16, pre/post
 #   frontend.md/.json    the conv frontend alone, conv vs gemm, batch 64, bf16/fp16
 #   checkpoint.md/.json  training-loop time blocked per checkpoint, large: synchronous vs background write
+#   tokenize.md          the tokenizer on the CPU (16 workers) and on the GPU, the same tracks and weights
+#                        (made there by make-weights from the same audio): equal codes per codebook, real-time
+#                        factor of each (bench_tokenize.py devices); skipped without .gpu_data/audio
 #   loop.md/.json        the real loop (study recipe, large fp16, batch 8 x 5.12 s, 2 loader workers, real
 #                        tokens) vs the synthetic step at the same batch; skipped without tokens
 #   suite.log            everything printed, with each section's wall time
@@ -80,6 +84,10 @@ bundle() {
 }
 
 DATA=${GPU_SUITE_DATA:-.gpu_data/tokens}
+AUDIO=${GPU_SUITE_AUDIO:-.gpu_data/audio}
+# the weights for the tokenizer section: GPU_SUITE_WEIGHTS, else made there from $AUDIO (the same bytes on
+# every CPU measured), into its work folder
+WEIGHTS=(${GPU_SUITE_WEIGHTS:+--weights "$GPU_SUITE_WEIGHTS"})
 {
   date -u
   echo "smoke=$SMOKE data=$DATA"
@@ -111,6 +119,12 @@ if [ $SMOKE = 1 ]; then  # every section once, as small as it goes: that the sui
   else
     skip loop loop.md "no tokenized dataset at $DATA"
   fi
+  if [ -d "$AUDIO" ]; then
+    section tokenize 300 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 1 \
+      --devices cpu cpu --work "${TMPDIR:-/tmp}/gpu_suite_tok_$$" "${WEIGHTS[@]}"
+  else
+    skip tokenize tokenize.md "no audio at $AUDIO"
+  fi
   bundle
   exit 0
 fi
@@ -131,6 +145,12 @@ else
 fi
 section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
   --dir /tmp/gpu_suite_ckpt --json "$OUT/raw/checkpoint.json"
+if [ -d "$AUDIO" ]; then
+  section tokenize 90 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 4 \
+    --devices cpu cuda --work /tmp/gpu_suite_tok "${WEIGHTS[@]}"
+else
+  skip tokenize tokenize.md "no audio at $AUDIO (benchmarks/gpu_prep.sh copies some)"
+fi
 section bench_gpu_compile 150 bench_gpu_compile.md $PY benchmarks/bench_gpu.py --sizes large base --dtypes bf16 \
   --compile --steps 15 --warmup 3 --json "$OUT/raw/bench_gpu_compile.json"
 bundle

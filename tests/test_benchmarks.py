@@ -26,16 +26,23 @@ def test_bench_train_step_runs_every_variant():
     assert all(re.fullmatch(r"[\d.]+x?|\d+%", c) for c in cells[2:]), cells
 
 
-def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, tmp_path):
+def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, local_weights, make_music, tmp_path):
     """benchmarks/gpu_suite.sh --smoke (CPU, tiny, one step each): every section (our step (bench_gpu.py) with the GEMM
     frontend and the profiler, ours vs HubertModel, frontend conv vs gemm, checkpoint blocking, real loop
-    vs synthetic on real tokens) ends with its table row in tables.md, none failed or skipped, and the raw
-    rows come back bundled, as the GPU run's will."""
+    vs synthetic on real tokens, the tokenizer on two devices: here CPU twice, which must agree exactly) ends
+    with its table row in tables.md, none failed or skipped, and the raw rows come back bundled, as the GPU
+    run's will."""
     import os
     import tarfile
 
+    import soundfile as sf
+
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    sf.write(audio / "track.wav", make_music(12.0, seed=7), 24000)
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
-           "GPU_SUITE_DATA": str(tokenized_dataset)}
+           "GPU_SUITE_DATA": str(tokenized_dataset), "GPU_SUITE_AUDIO": str(audio),
+           "GPU_SUITE_WEIGHTS": str(local_weights), "TMPDIR": str(tmp_path)}
     proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--smoke"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     out = tmp_path / "out"
@@ -44,7 +51,9 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, tmp_path):
     tables = (out / "tables.md").read_text()
     assert "FAILED" not in tables and "SKIPPED" not in tables, log[-3000:]
     for section, row in [("bench_gpu", "| tiny | bf16 | gemm | 1 |"), ("peer", "| pre | fp32 |"),
-                         ("frontend", "| fp32 |"), ("checkpoint", "| tiny |"), ("loop", "| tiny | fp32 | 1 x 0.5 s | 0 |")]:
+                         ("frontend", "| fp32 |"), ("checkpoint", "| tiny |"), ("loop", "| tiny | fp32 | 1 x 0.5 s | 0 |"),
+                         ("tokenize", "cpu1 vs cpu0: equal codes per codebook 1.0000 1.0000 1.0000 1.0000 1.0000 1.0000 "
+                                      "1.0000 1.0000; overall 1.0000")]:
         part = tables.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
         assert row in part, (section, part)
     assert "self_cpu_time_total" in (out / "profile.txt").read_text()
