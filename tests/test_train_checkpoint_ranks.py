@@ -53,7 +53,7 @@ def test_write_failure_on_rank_1_stops_both_ranks(tokenized_dataset, tmp_path):
         assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s+exitcode\s*: (1|-15) ", out), out[-3000:]
     assert re.search(r"rank\s*: \d \(local_rank: \d\)\s+exitcode\s*: 1 ", out), out[-3000:]
     # Each rank left the process group before exiting: else gloo's threads, destroyed at exit, abort a rank
-    # now and then (exit -6, about once in 20-30 runs of this test before pretrain.py did so on errors too).
+    # now and then (exit -6: 1 of 28 runs of this test before pretrain.py did so on errors too).
     for rank in (0, 1):
         assert "process group left before exit: True" in logs[rank], logs[rank][-2000:]
     run_dir = tmp_path / "f"

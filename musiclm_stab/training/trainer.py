@@ -366,12 +366,12 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def leave_process_group() -> None:
-    """Tear down torch.distributed before the interpreter exits, after a finished run and after one that
-    stopped with an error every process raised (a failed checkpoint write). Left to exit-time destructors,
-    the process group's threads sometimes abort a rank that has done and printed everything ("terminate
-    called without an active exception", exit -6 under torchrun; seen on clean-clone CI runs, after a
-    finished run and after a failed write, and here about once in 20 runs of the failed-write test). A
-    no-op in a single process; local (no collective), so it cannot wait on a process that is gone."""
+    """Tear down torch.distributed before the interpreter exits: ``main`` calls it on every exit (a
+    finished run, an error every process raised such as a failed checkpoint write, any other exception).
+    Left to exit-time destructors, the process group's threads sometimes abort a rank that has done and
+    printed everything ("terminate called without an active exception", exit -6 under torchrun; seen on
+    clean-clone CI runs after a finished run and after a failed write, and here in 1 of 28 runs of the
+    failed-write test). A no-op in a single process; local (no collective): it never waits on another one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
