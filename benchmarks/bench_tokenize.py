@@ -71,13 +71,15 @@ CLI = [sys.executable, "-m", "musiclm_stab.cli"]
 
 
 def corpus(work: Path, tracks: int, audio: str | None = None) -> list[Path]:
-    """The first ``tracks`` of the default corpus (rendered into ``work``), or of the audio files in the
-    folder ``audio`` (where the corpus cannot be rendered, e.g. on the GPU machine)."""
+    """The first ``tracks`` of the default corpus (rendered into ``work``), or of the audio files under the
+    folder ``audio``, as the tokenizer lists them (where the corpus cannot be rendered, e.g. on the GPU
+    machine)."""
     if audio:
-        files = sorted(p.resolve() for p in Path(audio).iterdir()
-                       if p.suffix.lower() in (".flac", ".wav", ".ogg", ".mp3"))
+        from musiclm_stab.audio import list_audio_files
+
+        files = [p.resolve() for p in list_audio_files(audio)]
         if not files:
-            raise SystemExit(f"--audio {audio}: no .flac/.wav/.ogg/.mp3 files")
+            raise SystemExit(f"--audio {audio}: no audio files")
         return files[:tracks]
     from musiclm_stab.corpus.build import build_corpus
 

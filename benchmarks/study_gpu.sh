@@ -11,7 +11,8 @@
 # and metrics.jsonl) and study_gpu.log (everything printed, with the time of each stage). Options after
 # OUT go to `musiclm-stab study --scale gpu` (e.g. --steps 600 --seeds 2 --jobs 2, or --data TOKENS to skip
 # the data preparation). Environment: PYTHON (default python3); STUDY_ALLOW_CPU=1 runs without a GPU
-# (the test suite runs this script at tiny size on CPU that way).
+# (the test suite runs this script at tiny size on CPU that way); STUDY_GPU_WHEELS, the folder of carried
+# wheels (default .whl; empty: install none, use the environment's packages, as the test does).
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/study_gpu.sh OUT [study options ...]}
 shift
@@ -25,10 +26,11 @@ cd "$REPO"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 : >"$LOG"
 START=$(date +%s)
-if [ -d .whl ] && compgen -G ".whl/*" >/dev/null; then
-    stamp "installing $(ls .whl | wc -l) carried packages into /tmp/site"
+WHEELS=${STUDY_GPU_WHEELS-.whl}
+if [ -n "$WHEELS" ] && [ -d "$WHEELS" ] && compgen -G "$WHEELS/*" >/dev/null; then
+    stamp "installing $(ls "$WHEELS" | wc -l) carried packages from $WHEELS into /tmp/site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*
+        --target /tmp/site "$WHEELS"/*
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}

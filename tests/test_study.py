@@ -121,7 +121,10 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
     tiny = ["model.size=tiny", "model.cqt_bins=84", "model.cqt_bins_per_octave=12", "train.mixed_precision=no",
             "train.log_every=1", "data.batch_size=2", "data.crop_seconds=2.0", "data.eval_fraction=0.3",
             "data.num_workers=0"]
-    env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1"}
+    # STUDY_GPU_WHEELS empty: this venv's packages, not the GPU machine's wheels that benchmarks/gpu_prep.sh or
+    # study_gpu_wheels.sh may have left in .whl/ (built for its Python, 3.12)
+    env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
+           "STUDY_GPU_WHEELS": ""}
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "2",
                            "--jobs", "2", "--data", str(tokenized_dataset), "--set", *tiny],
                           env=env, capture_output=True, text=True, timeout=600)
