@@ -23,6 +23,7 @@ from musiclm_stab.audio import (
     AudioError,
     decode_bytes,
     from_array,
+    list_audio_files,
     load_audio,
     open_audio,
     resampled_blocks,
@@ -271,3 +272,37 @@ def test_long_mp3_short_by_under_one_percent_is_truncated(tmp_path, make_music):
     with pytest.raises(AudioError, match=r"more than the 0\.50 s allowed for MP3") as e:
         read_as_tokenizer(path)
     assert e.value.kind == "truncated"
+
+
+def test_make_weights_and_features_report_a_bad_rate_and_go_on(tmp_path, make_music):
+    """A WAV declaring 1,000,000,100 Hz next to a good file: make-weights and features finish with the good
+    file and record the bad one (kind bad_sample_rate) instead of ending the run."""
+    from musiclm_stab.config import Config
+    from musiclm_stab.export.feature_files import extract_folder
+    from musiclm_stab.export.features import FeatureModel
+    from musiclm_stab.model import MusicMLM
+    from musiclm_stab.tokenizer.fit import make_local_weights
+
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "good.wav", make_music(3.0, seed=13), SR)
+    (src / "bad_rate.wav").write_bytes(_wav_with_rate(make_music(2.0, seed=14), 1_000_000_100))
+    files = list_audio_files(src)
+    info = make_local_weights(files, tmp_path / "w.th", seed=0, max_seconds=10, iters=2, progress=False,
+                              workers=0)
+    [skipped] = info["provenance"]["skipped_sources"]
+    assert (skipped["path"], skipped["kind"]) == (str(src / "bad_rate.wav"), "bad_sample_rate")
+    assert info["provenance"]["seconds_used"] == pytest.approx(3.0, abs=0.02)
+
+    cfg = Config()
+    for key, value in dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32).items():
+        setattr(cfg.model, key, value)
+    cfg.validate()
+    torch.manual_seed(0)
+    net = MusicMLM(cfg.model)
+    model = FeatureModel(net, "musiclm_stab", net.cfg.num_layers, net.cfg.width, "tiny")
+    summary = extract_folder(model, src, tmp_path / "features", layers=[0], chunk_seconds=2.0, progress=False)
+    assert [w["output"] for w in summary.written] == ["good"]
+    [failed] = summary.failed
+    assert (failed["source"], failed["kind"]) == (str(src / "bad_rate.wav"), "bad_sample_rate")
+    assert "1000000100 Hz" in failed["reason"]
