@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXIT_DIVERGED = 3  # recipes/pretrain.py's exit status when the loss scale reached its floor (the run diverged)
+
 
 class MinLossScaleError(RuntimeError):
     """The fp16 loss scale would fall to its floor: the gradients overflow at every scale (the run diverged)."""

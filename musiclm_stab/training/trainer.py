@@ -31,7 +31,7 @@ from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
-from musiclm_stab.training.loss_scaler import MinLossScaleError
+from musiclm_stab.training.loss_scaler import EXIT_DIVERGED, MinLossScaleError
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
 from musiclm_stab.training.precision import FairseqFp16, make_precision
 from musiclm_stab.training.resume import check_resumable
@@ -53,8 +53,7 @@ from musiclm_stab.training.stability import (
 from musiclm_stab.training.stop import StopSignal
 from musiclm_stab.training.tracking import flat_config, new_interval, reduce_by_name, tracker_names
 
-PROJECT = "musiclm_stab"
-EXIT_DIVERGED = 3  # recipes/pretrain.py's exit status when fairseq fp16's loss scale reached its floor  # the trackers' project (wandb project, MLflow experiment; TensorBoard's subfolder)
+PROJECT = "musiclm_stab"  # the trackers' project (wandb project, MLflow experiment; TensorBoard's subfolder)
 
 
 class Trainer:
