@@ -87,9 +87,7 @@ def sign_flip_counts(ranks2: np.ndarray) -> np.ndarray:
     counts[0] = 1
     for r in ranks2:
         r = int(r)
-        shifted = np.zeros_like(counts)
-        shifted[r:] = counts[:-r]
-        counts = counts + shifted
+        counts[r:] = counts[r:] + counts[:-r]  # the right side is a new array: the old counts, shifted by r
     return counts
 
 
