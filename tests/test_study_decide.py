@@ -1,4 +1,4 @@
-"""The study's decision rule (analysis/decide.py): exact Wilcoxon and McNemar, Holm, claims of parts, verdicts."""
+"""The study's decision rule (analysis/decide.py): exact Wilcoxon and McNemar, Holm, claims, verdicts."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def brute_force_p(d: list[float]) -> float:
     used = np.array([x for x in d if x != 0 and not math.isnan(x)])
     ranks = scipy.stats.rankdata(np.abs(used))  # average ranks; inf ties with inf
     observed = ranks[used > 0].sum()
-    sums = [sum(r for r, s in zip(ranks, signs) if s) for signs in itertools.product((0, 1), repeat=len(used))]
-    sums = np.array(sums)
+    flips = itertools.product((0, 1), repeat=len(used))
+    sums = np.array([sum(r for r, s in zip(ranks, signs) if s) for signs in flips])
     tail = min((sums <= observed + 1e-9).sum(), (sums >= observed - 1e-9).sum())
     return min(1.0, 2 * tail / len(sums))
 
@@ -60,7 +60,8 @@ def test_wilcoxon_equals_scipy_exact_without_ties_and_brute_force_with_ties():
     for n in range(1, 16):
         for _ in range(3):
             d = rng.normal(0.3, 1.0, n)
-            assert wilcoxon(d)[0] == pytest.approx(scipy.stats.wilcoxon(d, method="exact").pvalue, rel=1e-12, abs=0)
+            exact = scipy.stats.wilcoxon(d, method="exact").pvalue
+            assert wilcoxon(d)[0] == pytest.approx(exact, rel=1e-12, abs=0)
     for n in range(1, 11):
         for _ in range(5):
             d = list(rng.choice([-3, -2, -1, 0, 1, 2, 3, -math.inf, math.inf], n))
@@ -136,7 +137,8 @@ def test_decide_verdicts_over_the_family():
     decide([a, b, c, d, e])
     # family p: a 0.001, b 0.004, d 1, e 0.2 -> Holm: 0.004, 0.012, 1, 0.4
     assert [x.p_adjusted for x in (a, b, d, e)] == pytest.approx([0.004, 0.012, 1.0, 0.4])
-    assert [x.verdict for x in (a, b, c, d, e)] == [REPRODUCED, REFUTED, NOT_TESTABLE, NOT_TESTABLE, INCONCLUSIVE]
+    verdicts = [x.verdict for x in (a, b, c, d, e)]
+    assert verdicts == [REPRODUCED, REFUTED, NOT_TESTABLE, NOT_TESTABLE, INCONCLUSIVE]
     assert c.why == "no spike at this scale" and math.isnan(c.p_adjusted)
     assert b.parts[0].p_adjusted == pytest.approx(0.012)  # the deciding part shows the claim's adjusted p
     assert b.parts[1].p_adjusted == pytest.approx(1.0)  # 0.5 in b's place: Holm gives min(1, 3 x 0.5) = 1

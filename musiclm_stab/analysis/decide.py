@@ -180,7 +180,7 @@ class Claim:
 
 
 def oriented_p(part: Part, n_parts: int) -> float:
-    """A part's p as its claim would use it: as is pointing the claim's way, x n_parts (Bonferroni) against."""
+    """A part's p as its claim uses it: as is pointing the claim's way, x n_parts (Bonferroni) against it."""
     return min(1.0, n_parts * part.p) if part.estimate < 0 else part.p
 
 
@@ -226,8 +226,8 @@ def _verdict(c: Claim, alpha: float) -> tuple[str, str]:
                             f"{c.p:.3g}, adjusted {c.p_adjusted:.3g} < {alpha}")
     if significant and c.direction == "against":
         strongest = min((q for q in c.parts if q.estimate < 0), key=lambda q: q.p)
-        return REFUTED, (f"{strongest.name} points against the claim: p = {strongest.p:.3g}, x {len(c.parts)} "
-                         f"parts = {c.p:.3g}, adjusted {c.p_adjusted:.3g} < {alpha}")
+        return REFUTED, (f"{strongest.name} points against the claim: p = {strongest.p:.3g}, "
+                         f"x {len(c.parts)} parts = {c.p:.3g}, adjusted {c.p_adjusted:.3g} < {alpha}")
     if c.refute_only:
         return NOT_TESTABLE, f"{c.reason}; not refuted (adjusted p {c.p_adjusted:.3g})"
     against = [q.name for q in c.parts if q.estimate < 0]
