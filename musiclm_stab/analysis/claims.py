@@ -234,7 +234,7 @@ def markdown(result: dict) -> str:
         parts = "<br>".join(part_text(q) for q in c.parts) or "none"
         tested = c.testable and not math.isnan(c.p_adjusted)
         claim_p = f"{_p(c.p)} ({c.direction or 'none'})" if tested else "-"
-        why = c.why if c.verdict == "not testable at this scale" or not c.reason else f"{c.why} ({c.reason})"
+        why = c.why if c.verdict == "not testable at this scale" or not c.reason else f"{c.why}; {c.reason}"
         lines.append(f"| ({c.key}) {c.text} | {parts} | {claim_p} | {_p(c.p_adjusted) if tested else '-'} "
                      f"| **{c.verdict}** | {why} |")
     blocks: Blocks = result["blocks"]
