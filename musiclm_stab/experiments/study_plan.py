@@ -10,6 +10,7 @@ from pathlib import Path
 
 from musiclm_stab.config import Config, load_config
 from musiclm_stab.experiments.launch import RECIPES, as_overrides, launch_command, shown
+from musiclm_stab.experiments.sweep_report import lr_text
 
 # The study's runs in legend order: colour i of analysis/style.COLOURS is run i (blue, orange, green, pink).
 STUDY_RECIPES = (
@@ -110,8 +111,8 @@ def order_overrides(order: str, seed: int, index: int) -> list[str]:
 
 
 def lr_tag(lr: float) -> str:
-    """An lr as run directories name it: 0.003 -> "lr0.003", 0.0015 -> "lr0.0015"."""
-    return f"lr{lr:g}"
+    """An lr as run directories name it: 0.003 -> "lr3e-3", 0.0015 -> "lr1.5e-3" (as the sweep names its runs)."""
+    return f"lr{lr_text(lr)}"
 
 
 def plan_study(
