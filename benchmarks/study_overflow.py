@@ -27,8 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from musiclm_stab.experiments.study_plan import STUDY_RECIPES, recipe_path  # noqa: E402
-
-EXIT_DIVERGED = 3  # recipes/pretrain.py: fp16's loss scale reached its floor
+from musiclm_stab.training.loss_scaler import EXIT_DIVERGED  # noqa: E402
 
 
 def summarize(run_dir: Path, returncode: int) -> dict:

@@ -143,11 +143,12 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     from musiclm_stab.experiments.study import PROBE, probe_study
     from musiclm_stab.experiments.study_plan import plan_study
 
-    study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, extra=[
-        "model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
-        "train.diagnostics_every=0"])
+    study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, lrs=(1e-2,), control=False,
+                       extra=["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3",
+                              "train.eval_every=0", "train.diagnostics_every=0"])
     dirs = [train(run.config()) for run in study.runs]
-    figure = probe_study(study, progress=False, jobs=2)  # two runs at a time, in spawned processes
+    rows = [{} for _ in dirs]  # no held-out loss: no best cell beyond the figure lr's runs
+    figure = probe_study(study, rows, progress=False, jobs=2)  # two runs at a time, in spawned processes
     assert figure == study.figures_dir / "probe.png" and figure.stat().st_size > 10_000
     probed = [d for d in dirs if (d / "probe" / "probe.json").is_file()]
     assert probed == [run.config().run_dir for run in study.runs if run.seed == 0] and len(probed) == 4
@@ -159,6 +160,33 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     row = next(line for line in md.read_text().splitlines() if line.startswith("| probe: best-layer pitch mAP"))
     cells = [c.strip() for c in row.strip("|").split("|")[1:]]
     assert len(cells) == 4 and all(0.0 < float(c) <= 1.0 for c in cells), row  # one seed: a single value
+
+
+def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
+    """probe_targets: seed 0 of each configuration at the figure lr, plus seed 0 of the (configuration, lr) with
+    the lowest mean final held-out cb0 over its seeds when that is another cell; non-finite losses (diverged
+    runs) and the QK-norm control never make the best cell."""
+    from musiclm_stab.experiments.study import probe_targets
+    from musiclm_stab.experiments.study_plan import CONTROL, STUDY_RECIPES, figure_runs, plan_study
+
+    study = plan_study("cpu", tmp_path, "/data/tokens", seeds=2, lrs=(3e-3, 1e-2))
+    figure = [r.config().run_dir for r in figure_runs(study) if r.seed == 0]
+    assert len(figure) == 4 and all("_lr1e-2_s0" in d.name for d in figure)
+
+    def rows(best: tuple[str, float], nan: tuple[str, float] | None = None) -> list[dict]:
+        out = []
+        for run in study.runs:
+            cell = (run.stem, run.lr)
+            loss = 7.0 if cell == best else 6.0 if run.stem == CONTROL else 8.0 + run.seed
+            if cell == nan:  # seed 0 the lowest of all, seed 1 diverged
+                loss = 5.0 if run.seed == 0 else float("nan")
+            out.append({"final_eval_cb0": loss})
+        return out
+
+    assert probe_targets(study, rows((STUDY_RECIPES[2], 3e-3))) == [
+        *figure, tmp_path / "study_cpu" / f"{STUDY_RECIPES[2]}_tiny_lr3e-3_s0"]
+    assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2))) == figure  # the best is already a figure run
+    assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2), nan=(STUDY_RECIPES[0], 3e-3))) == figure
 
 
 def test_held_out_tracks_never_reach_the_probe_that_scores_them():

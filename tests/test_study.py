@@ -17,9 +17,14 @@ from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.experiments.study import cli_main, run_study
 from musiclm_stab.experiments.study_plan import (
+    CONTROL,
+    CONTROL_BASE,
     CPU_OVERLAYS,
+    LR_GRIDS,
     SCALE_OVERLAYS,
     STUDY_RECIPES,
+    figure_runs,
+    lr_tag,
     merge_overrides,
     plan_study,
     recipe_path,
@@ -39,26 +44,38 @@ EXTRA = ["acoustic_mlm_loss_codebooks.png", "grad_norm_log.png", "max_attn_logit
 
 
 def test_full_print_only_lines_are_the_recipes(tmp_path, capsys):
-    """--scale full --print-only prints one valid launch line per study recipe, in legend order, then the plot
-    and the claims lines."""
+    """--scale full --print-only prints one valid launch line per recipe and lr of the grid (legend order within
+    an lr), the QK-norm control at the two top rates, then the plot line (the figure lr's four runs) and the
+    claims line (every run)."""
     runs = tmp_path / "runs"
     assert cli_main(["--scale", "full", "--print-only", "--runs", str(runs), "--data", "/data/tokens"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6
-    for line, stem, label in zip(lines, STUDY_RECIPES, LABELS):
+    grid = LR_GRIDS["full"]
+    expected = [(stem, lr) for lr in grid for stem in
+                [*STUDY_RECIPES, *([CONTROL] if lr in sorted(grid)[-2:] else [])]]
+    assert len(lines) == len(expected) + 2 == 16
+    names = []
+    for line, (stem, lr) in zip(lines, expected):
         argv = shlex.split(line)
         assert argv[:2] == ["accelerate", "launch"] and argv[2].endswith("recipes/pretrain.py")
-        assert argv[3] == "--config" and Path(argv[4]).name == f"{stem}.yaml"
+        recipe = CONTROL_BASE if stem == CONTROL else stem
+        assert argv[3] == "--config" and Path(argv[4]).name == f"{recipe}.yaml"
         cfg = load_config(argv[4], argv[5:])  # exactly what recipes/pretrain.py would parse
-        assert (cfg.model.size, cfg.train.mixed_precision, cfg.train.stop_at) == ("large", "fp16", 100_000)
-        assert (cfg.train.name, cfg.train.output_dir, cfg.data.path) == (stem, str(runs), "/data/tokens")
-        assert run_label(cfg.to_dict()) == label
-    plot = shlex.split(lines[4])
+        assert (cfg.model.size, cfg.train.mixed_precision, cfg.train.fp16_mode, cfg.train.stop_at) == (
+            "large", "fp16", "fairseq", 100_000)
+        assert (cfg.optim.lr, cfg.model.qk_norm) == (lr, stem == CONTROL)
+        assert (cfg.train.name, cfg.train.output_dir, cfg.data.path) == (
+            f"{stem}_{lr_tag(lr)}_s0", str(runs), "/data/tokens")
+        if stem != CONTROL:
+            assert run_label(cfg.to_dict()) == LABELS[STUDY_RECIPES.index(stem)]
+        names.append(cfg.train.name)
+    plot = shlex.split(lines[-2])
     assert plot[:2] == ["musiclm-stab", "plot"]
-    assert plot[2:6] == [str(runs / stem) for stem in STUDY_RECIPES]
+    assert plot[2:6] == [str(runs / f"{stem}_lr4.5e-3_s0") for stem in STUDY_RECIPES]
     assert plot[6:8] == ["--out", str(runs / "study_figures")] and "--bands" in plot and "--extra" in plot
-    claims = shlex.split(lines[5])
-    assert claims[:3] == ["python", "-m", "musiclm_stab.analysis.claims"] and claims[3:7] == plot[2:6]
+    claims = shlex.split(lines[-1])
+    assert claims[:3] == ["python", "-m", "musiclm_stab.analysis.claims"]
+    assert claims[3:-2] == [str(runs / n) for n in names] and claims[-2:] == ["--out", str(runs / "study_figures")]
 
 
 def test_recipe_headers_show_the_tiny_twin_overlay_command():
@@ -70,47 +87,64 @@ def test_recipe_headers_show_the_tiny_twin_overlay_command():
 
 
 def test_cpu_plan_seeds_order_and_settings(tmp_path):
-    """CPU scale: 4 configurations x 3 seeds, legends kept, the chosen regime, seeds as train.seed, and the
-    data order paired by seed (default), shared, or independent per run."""
+    """CPU scale: 4 configurations x 3 lrs x 3 seeds plus the QK-norm control at the 2 top lrs, legends kept,
+    the chosen regime in emulated fairseq fp16, seeds as train.seed, the data order paired by seed (default),
+    shared, or independent per run; pilots' seeds from --first-seed."""
     study = plan_study("cpu", tmp_path, data="/data/tokens")
-    assert study.figures_dir == tmp_path / "study_cpu" / "figures" and len(study.runs) == 12
+    grid = LR_GRIDS["cpu"]
+    per_seed = [(stem, lr) for lr in grid for stem in [*STUDY_RECIPES, *([CONTROL] if lr in grid[1:] else [])]]
+    assert study.figures_dir == tmp_path / "study_cpu" / "figures" and len(study.runs) == 3 * len(per_seed) == 42
+    assert study.figure_lr == grid[1] and len(figure_runs(study)) == 12
     for i, run in enumerate(study.runs):
-        seed, stem = divmod(i, 4)
+        seed, (stem, lr) = i // len(per_seed), per_seed[i % len(per_seed)]
+        assert (run.stem, run.lr, run.seed) == (stem, lr, seed)
         keys = [o.split("=", 1)[0] for o in run.overrides]
         assert len(keys) == len(set(keys))  # merged: one value per setting
         cfg = run.config()
         m = cfg.model.resolved()
-        assert (m.size, m.num_layers, m.width, cfg.train.mixed_precision) == ("tiny", 8, 128, "no")
+        assert (m.size, m.num_layers, m.width, m.qk_norm) == ("tiny", 8, 128, stem == CONTROL)
+        assert (cfg.train.mixed_precision, cfg.train.fp16_mode, cfg.train.fp16_impl) == ("fp16", "fairseq", "auto")
         assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.max_steps, cfg.data.crop_seconds) == (
-            0.1, 24, 240, 2.0)
-        assert (cfg.train.eval_every, cfg.train.diagnostics_every) == (20, 10)
-        assert cfg.run_dir == tmp_path / "study_cpu" / f"{STUDY_RECIPES[stem]}_tiny_s{seed}"
+            lr, 100, 1000, 2.0)
+        assert (cfg.train.eval_every, cfg.train.diagnostics_every, cfg.data.eval_fraction) == (100, 50, 0.15)
+        assert cfg.run_dir == tmp_path / "study_cpu" / f"{stem}_tiny_{lr_tag(lr)}_s{seed}"
         assert (cfg.train.seed, cfg.data.order_seed, cfg.data_order_seed) == (seed, None, seed)
-        assert cfg.data.path == "/data/tokens" and run_label(cfg.to_dict()) == LABELS[stem]
+        if stem != CONTROL:
+            assert cfg.data.path == "/data/tokens" and run_label(cfg.to_dict()) == LABELS[STUDY_RECIPES.index(stem)]
     assert study.runs[0].configs[1:] == list(CPU_OVERLAYS)
     shared = [r.config() for r in plan_study("cpu", tmp_path, data="x", order="shared").runs]
     assert {c.data_order_seed for c in shared} == {0} and {c.train.seed for c in shared} == {0, 1, 2}
     independent = [r.config() for r in plan_study("cpu", tmp_path, data="x", order="independent").runs]
-    assert len({c.data_order_seed for c in independent}) == 12
+    assert len({c.data_order_seed for c in independent}) == 42
+    pilot = plan_study("cpu", tmp_path, data="x", seeds=1, first_seed=100, lrs=(0.02,), control=False)
+    assert [(r.seed, r.lr, r.stem) for r in pilot.runs] == [(100, 0.02, s) for s in STUDY_RECIPES]
+    assert pilot.runs[0].config().run_dir.name == f"{STUDY_RECIPES[0]}_tiny_lr2e-2_s100"
     short = plan_study("cpu", tmp_path, data="x", steps=30, seeds=1).runs[2].config()
     assert (short.train.max_steps, short.optim.warmup_steps, short.train.checkpoint_every) == (30, 3, 30)
-    assert (short.train.eval_every, short.train.diagnostics_every) == (3, 3)
+    assert (short.train.eval_every, short.train.diagnostics_every) == (5, 5)  # a multiple of log_every 5
     assert merge_overrides(["--a.b=1", "--c.d=2", "--a.b=3"]) == ["--a.b=3", "--c.d=2"]
     with pytest.raises(ConfigError, match="model.norm_scheme"):
         plan_study("cpu", tmp_path, data="x", extra=["model.norm_scheme=nope"])
+    with pytest.raises(ValueError, match="learning rates must be > 0"):
+        plan_study("cpu", tmp_path, data="x", lrs=(0.01, 0.0))
 
 
 def test_gpu_plan_is_base_fp16_past_warmup(tmp_path):
-    """GPU scale: the recipes + study_gpu.yaml at base size in fp16, 1000 steps past an 80-step warmup."""
+    """GPU scale: the recipes + study_gpu.yaml at base size in fairseq fp16, 1000 steps past an 80-step warmup,
+    at MERT-330M's lr and 3x, 10x it, the QK-norm control at the top two."""
     study = plan_study("gpu", tmp_path, data="/data/tokens")
-    assert study.figures_dir == tmp_path / "study_gpu" / "figures" and len(study.runs) == 4
-    assert [r.configs[1:] for r in study.runs] == [list(SCALE_OVERLAYS["gpu"])] * 4
-    for run, stem, label in zip(study.runs, STUDY_RECIPES, LABELS):
+    assert study.figures_dir == tmp_path / "study_gpu" / "figures" and len(study.runs) == 14
+    assert [r.configs[1:] for r in study.runs] == [list(SCALE_OVERLAYS["gpu"])] * 14
+    assert LR_GRIDS["gpu"] == (1.5e-3, 4.5e-3, 1.5e-2) and study.figure_lr == 4.5e-3
+    for run in study.runs:
         cfg = run.config().resolved()
         assert (cfg.model.size, cfg.model.num_layers, cfg.train.mixed_precision) == ("base", 12, "fp16")
+        assert (cfg.train.fp16_mode, cfg.optim.lr, cfg.model.qk_norm) == ("fairseq", run.lr, run.stem == CONTROL)
         assert (cfg.train.max_steps, cfg.optim.warmup_steps) == (1000, 80)
-        assert cfg.train.eval_every and cfg.train.diagnostics_every and run_label(cfg.to_dict()) == label
-        assert cfg.run_dir == tmp_path / "study_gpu" / f"{stem}_gpu_s0"
+        assert cfg.train.eval_every and cfg.train.diagnostics_every
+        assert cfg.run_dir == tmp_path / "study_gpu" / f"{run.stem}_gpu_{lr_tag(run.lr)}_s0"
+    for run, label in zip(figure_runs(study), LABELS):
+        assert run_label(run.config().to_dict()) == label
 
 
 @pytest.mark.slow
@@ -126,14 +160,14 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
            "STUDY_GPU_WHEELS": ""}
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "2",
-                           "--jobs", "2", "--data", str(tokenized_dataset), "--set", *tiny],
+                           "--jobs", "2", "--lrs", "1e-3", "--no-control", "--data", str(tokenized_dataset), "--set", *tiny],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     root = tmp_path / "out" / "runs" / "study_gpu"
     for stem in STUDY_RECIPES:
-        rows = [json.loads(x) for x in (root / f"{stem}_gpu_s0" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (root / f"{stem}_gpu_lr1e-3_s0" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2] and "eval/loss" in rows[-1]
-    assert sorted(p.name for p in (root / "figures").glob("*.png")) == sorted(FIGURES + EXTRA)
+    assert sorted(p.name for p in (root / "figures").glob("*.png")) == sorted(FIGURES + EXTRA + ["lr_sensitivity.png"])
     summary = json.loads((root / "figures" / "summary.json").read_text())
     assert [r["label"] for r in summary] == LABELS and all(r["steps"] == 2 for r in summary)
     claims = (root / "figures" / "claims.md").read_text()

@@ -28,7 +28,9 @@ from musiclm_stab.training.precision import forward_context
 from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: under inference_mode torch dispatches some operations differently, and an fp16
+# run's emulated arithmetic (model/fp16_arith.py) then rounds at other points than the trainer's evaluation did
+@torch.no_grad()
 def evaluate(path: str | Path, data: str | list[str] | None = None, split: str = "eval",
              batch_size: int = EVAL_BATCH_SIZE, seed: int = EVAL_SEED, device: str = "cpu", write: bool = True) -> dict:
     """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys."""

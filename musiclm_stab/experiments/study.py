@@ -51,8 +51,8 @@ from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     ORDERS,
     SCALES,
-    Study,
     STUDY_RECIPES,
+    Study,
     claims_command,
     figure_runs,
     plan_study,
@@ -117,10 +117,12 @@ def probe_targets(study: Study, rows: list[dict]) -> list[Path]:
     dirs = [run.config().run_dir for run in figure_runs(study) if run.seed == first]
     by_cell: dict[tuple, list[float]] = {}
     for run, row in zip(study.runs, rows):
-        if run.stem in STUDY_RECIPES and math.isfinite(row.get("final_eval_cb0", math.nan)):
-            by_cell.setdefault((run.stem, run.lr), []).append(row["final_eval_cb0"])
-    if by_cell:
-        stem, lr = min(by_cell, key=lambda cell: sum(by_cell[cell]) / len(by_cell[cell]))
+        if run.stem in STUDY_RECIPES and "final_eval_cb0" in row:
+            loss = row["final_eval_cb0"]  # a diverged or non-finite run counts as +inf: its cell is not the best
+            by_cell.setdefault((run.stem, run.lr), []).append(loss if math.isfinite(loss) else math.inf)
+    finite = {cell: sum(v) / len(v) for cell, v in by_cell.items() if math.isfinite(sum(v))}
+    if finite:
+        stem, lr = min(finite, key=finite.get)
         best = [run.config().run_dir for run in study.runs if (run.stem, run.lr, run.seed) == (stem, lr, first)]
         dirs += [d for d in best if d not in dirs]
     return dirs
