@@ -179,3 +179,14 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
     # Same directories, another config: refused before anything is launched.
     with pytest.raises(ConfigError, match="another config"):
         run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny))
+
+
+def test_cpu_print_only_names_the_48_chorale_corpus(tmp_path, capsys):
+    """Without --data, the CPU study trains on the 48-chorale corpus it makes under --work (7 held-out tracks
+    instead of the default corpus's 2), the GPU study on the default corpus."""
+    for scale, folder in (("cpu", "chorales48_tokens"), ("gpu", "default_corpus_tokens")):
+        assert cli_main(["--scale", scale, "--print-only", "--runs", str(tmp_path), "--work", str(tmp_path / "w"),
+                         "--lrs", "1e-3", "--no-control", "--seeds", "1"]) == 0
+        launches = [a for a in map(shlex.split, capsys.readouterr().out.splitlines()) if "launch" in a[:3]]
+        assert len(launches) == 4
+        assert all(f"--data.path={tmp_path / 'w' / folder}" in argv for argv in launches), launches[0]

@@ -46,12 +46,19 @@ import warnings
 from pathlib import Path
 
 from musiclm_stab.config import ConfigError
-from musiclm_stab.experiments.launch import accelerate_executable, add_job_options, default_data, run_state
+from musiclm_stab.experiments.launch import (
+    DEFAULT_NUM_TRACKS,
+    accelerate_executable,
+    add_job_options,
+    default_data,
+    run_state,
+)
 from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     ORDERS,
     SCALES,
     STUDY_RECIPES,
+    STUDY_TRACKS,
     Study,
     claims_command,
     figure_runs,
@@ -318,10 +325,11 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--jobs must be >= 1")
 
     data = args.data
-    if data is None and args.scale != "full" and not args.print_only:
-        data = str(default_data(args.work))
-    elif data is None and args.scale != "full":
-        data = str(Path(args.work) / "default_corpus_tokens")
+    if data is None and args.scale != "full":
+        tracks = STUDY_TRACKS[args.scale]
+        data = str(default_data(args.work, tracks) if not args.print_only else
+                   Path(args.work) / ("default_corpus_tokens" if tracks == DEFAULT_NUM_TRACKS else
+                                      f"chorales{tracks}_tokens"))
     try:
         study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order,
                            lrs=None if args.lrs is None else tuple(args.lrs), first_seed=args.first_seed,
