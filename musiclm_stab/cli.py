@@ -8,26 +8,43 @@ from __future__ import annotations
 import importlib
 import sys
 
-# subcommand -> (module, one-line help). Each module exposes ``cli_main(argv) -> int``.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "build-corpus": ("musiclm_stab.corpus.build", "render the default corpus of real music (offline)"),
-    "make-weights": ("musiclm_stab.tokenizer.fit", "make local EnCodec weights with fitted codebooks"),
-    "tokenize": ("musiclm_stab.tokenizer.cli", "tokenize audio into EnCodec codes, as an HF dataset"),
-    "evaluate": ("musiclm_stab.analysis.evaluate", "held-out loss per codebook of a run or checkpoint"),
-    "plot": ("musiclm_stab.analysis.plot", "the stability study's figures from run directories"),
-    "probe": ("musiclm_stab.analysis.probe", "linear probes per layer (pitch, key, instrument) with labels from the scores"),
-    "study": ("musiclm_stab.experiments.study", "the stability study: four configurations over seeds, figures and the claims table (cpu, gpu or full scale)"),
-    "sweep": ("musiclm_stab.experiments.sweep", "learning-rate sensitivity sweep over norm schemes (Wortsman et al. 2023)"),
-    "export": ("musiclm_stab.export.hubert", "export an encoder to transformers.HubertModel, verified layer by layer"),
-    "features": ("musiclm_stab.export.feature_files", "75 Hz per-layer features of audio of any length (chunked), to .npy"),
-    "quickstart": ("musiclm_stab.experiments.quickstart", "the main job: corpus, tokenize, pretrain, evaluate"),
+# subcommand -> (module, one-line help, reference page). Each module exposes ``cli_main(argv) -> int``, and its
+# parser's --help ends with "Reference: <the same page>" (tests/test_docs.py keeps the two in step).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "build-corpus": ("musiclm_stab.corpus.build", "render the default corpus of real music (offline)",
+                     "docs/TOKENIZING.md"),
+    "make-weights": ("musiclm_stab.tokenizer.fit", "make local EnCodec weights with fitted codebooks",
+                     "docs/TOKENIZING.md"),
+    "tokenize": ("musiclm_stab.tokenizer.cli", "tokenize audio into EnCodec codes, as an HF dataset",
+                 "docs/TOKENIZING.md"),
+    "evaluate": ("musiclm_stab.analysis.evaluate", "held-out loss per codebook of a run or checkpoint",
+                 "docs/TRAINING.md"),
+    "plot": ("musiclm_stab.analysis.plot", "the stability study's figures from run directories", "docs/TRAINING.md"),
+    "probe": ("musiclm_stab.analysis.probe",
+              "linear probes per layer (pitch, key, instrument) with labels from the scores", "docs/PROBES.md"),
+    "study": ("musiclm_stab.experiments.study",
+              "the stability study: four configurations over seeds, figures and the claims table "
+              "(cpu, gpu or full scale)", "docs/STUDY.md"),
+    "sweep": ("musiclm_stab.experiments.sweep",
+              "learning-rate sensitivity sweep over norm schemes (Wortsman et al. 2023)", "docs/STUDY.md"),
+    "export": ("musiclm_stab.export.hubert", "export an encoder to transformers.HubertModel, verified layer by layer",
+               "docs/EXPORT.md"),
+    "features": ("musiclm_stab.export.feature_files",
+                 "75 Hz per-layer features of audio of any length (chunked), to .npy", "docs/EXPORT.md"),
+    "quickstart": ("musiclm_stab.experiments.quickstart", "the main job: corpus, tokenize, pretrain, evaluate",
+                   "README.md"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: musiclm-stab <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<14}{help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "training: accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--section.key=value ...]"]
+    """The top-level help: what the project is, each command in one line with its reference page."""
+    lines = ["usage: musiclm-stab <command> [args...]", "",
+             "Pretrain music masked-LMs (MERT-style) and study their training stability. Start at README.md.",
+             "", "commands:"]
+    lines += [f"  {name:<14}{help_} ({page})" for name, (_, help_, page) in COMMANDS.items()]
+    lines += ["", "training: accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--section.key=value ...]",
+              "          (docs/TRAINING.md)",
+              "", "Each command's --help says what it does and names its reference page."]
     return "\n".join(lines)
 
 

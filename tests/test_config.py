@@ -26,7 +26,7 @@ def test_dotted_overrides_are_typed():
 
 
 # Every error load_config raises, one example per kind: (command-line arguments, the message or its start).
-# README.md lists exactly these rows in its table under "Preemption and resuming" (checked below).
+# docs/TRAINING.md lists exactly these rows in its table under "Config errors" (checked below).
 BAD_SETTINGS = [
     ("--nosuch.key=1", "unknown setting 'nosuch.key'; settings are <section>.<key> with section one of: "
                        "data, model, optim, train"),
@@ -86,10 +86,10 @@ def test_bad_settings_name_the_setting(args, fragment):
         load_config(recipe, [a for a in argv if not a.startswith("--config=")])
 
 
-def test_readme_lists_every_config_error():
-    """README's table of config errors has exactly the rows of BAD_SETTINGS, so the two cannot drift."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Preemption and resuming\n", 1)[1].split("\n## ", 1)[0]
+def test_docs_list_every_config_error():
+    """docs/TRAINING.md's table of config errors has exactly the rows of BAD_SETTINGS, so the two cannot drift."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "TRAINING.md").read_text()
+    section = page.split("## Config errors\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| [^|]* \| `([^`]*)` \| `([^`]*)` \|$", section, flags=re.M)
     assert sorted(rows) == sorted(BAD_SETTINGS)
 

@@ -351,7 +351,7 @@ def fill_doc(doc: str | Path, table: str) -> Path:
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.claims",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="run directories, or folders to search for them")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for claims.md and claims.json")

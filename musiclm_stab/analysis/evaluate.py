@@ -85,7 +85,8 @@ def format_table(result: dict) -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0],
+                                epilog="Reference: docs/TRAINING.md")
     p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
     p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards), after "
                    "PATH (default: the run's data.path)")

@@ -25,7 +25,8 @@ from musiclm_stab.experiments.launch import (
 
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab quickstart", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="musiclm-stab quickstart", description=__doc__.split("\n\n")[0],
+                                epilog="Reference: README.md (Set up: two commands)")
     p.add_argument("--work", default="work", help="folder for the corpus, weights and tokenized data")
     p.add_argument("--runs", default="runs", help="folder for run directories")
     p.add_argument("--num-tracks", type=int, default=DEFAULT_NUM_TRACKS)

@@ -287,7 +287,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="musiclm-stab study", description=__doc__.split("\n\n")[0],
+                                epilog="Reference: docs/STUDY.md")
     p.add_argument(
         "--scale",
         choices=SCALES,

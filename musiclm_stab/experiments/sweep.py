@@ -217,7 +217,8 @@ def run_sweep(
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="musiclm-stab sweep", description=__doc__.split("\n\n")[0],
+                                epilog="Reference: docs/STUDY.md")
     p.add_argument(
         "--schemes",
         nargs="+",

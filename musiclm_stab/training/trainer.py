@@ -395,7 +395,8 @@ def leave_process_group() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="recipes/pretrain.py",
-        description="Pretrain a music masked-LM. Overrides: --section.key=value (e.g. --model.norm_scheme=post).")
+        description="Pretrain a music masked-LM. Overrides: --section.key=value (e.g. --model.norm_scheme=post).",
+        epilog="Reference: docs/TRAINING.md")
     parser.add_argument("--config", action="append", help="recipe YAML (recipes/*.yaml); again for an overlay "
                         "layered on top (recipes/overlays/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
