@@ -103,9 +103,9 @@ def warn_mixed_devices(devices: dict[str, str | None], what: str) -> str | None:
         return None
     by = ", ".join(f"{p}: {d or 'unknown'}" for p, d in devices.items())
     msg = (f"{what} data tokenized on different device types ({by}). The codes are the same tokenizer's "
-           "but not identical: with the same weights, GPU codes agreed with CPU codes on 98.0% of frames for "
-           "codebook 0 and 98.8% over all codebooks (H200, TF32 off; README). Tokenize on one device type "
-           "for bit-identical data.")
+           "but not bit-identical (float rounding differs between devices; how many frames differ between a "
+           "GPU and a CPU has not been measured: benchmarks/bench_tokenize.py devices measures it). Tokenize "
+           "on one device type for bit-identical data.")
     warnings.warn(msg, DeviceMixWarning, stacklevel=3)
     return msg
 

@@ -10,7 +10,8 @@ Float rounding also depends on the batch a segment shares and the thread count (
 ~2% of codes differ between batch sizes at near-ties), hence one thread per encoder and a batch size
 that is part of the job: a resumed or sharded run encodes exactly like an uninterrupted one. On a GPU,
 TF32 (torch's default for cuDNN convolutions) is turned off wherever the encoder runs (``full_fp32``):
-it made GPU codes differ from CPU codes far more than fp32 rounding does (README).
+its 10-bit mantissa would make GPU codes differ from CPU codes far more than fp32 rounding does (the
+agreement itself has not been measured: no GPU was lent; benchmarks/bench_tokenize.py devices).
 """
 
 from __future__ import annotations

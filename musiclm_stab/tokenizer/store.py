@@ -62,9 +62,9 @@ STATE_VERSION = 2  # bump when a change alters the rows made from the same input
 
 _COMPARED = ("format", "tokenizer", "settings", "encode", "source", "plan", "shard")  # job.json keys a rerun must match
 
-# Codes made on a GPU and on a CPU with the same weights are the same tokenizer's codes (they agree on ~98%
-# of frames with TF32 off, README), so shards made on different device types may be merged and trained on
-# together, with a warning. One output (a resumed run) stays on one device type.
+# Codes made on a GPU and on a CPU with the same weights are the same tokenizer's codes (not bit-identical:
+# float rounding differs; the agreement is not measured), so shards made on different device types may be
+# merged and trained on together, with a warning. One output (a resumed run) stays on one device type.
 DEVICE_KEY = "encode.device"
 
 
