@@ -1,5 +1,6 @@
 """fsync of files and of the directories whose entries name them (musiclm_stab.durable), wherever a rename
-makes a write count: the tokenizer's atomic writes, part files and merged copies. Checked by recording the path of every descriptor os.fsync is called on."""
+makes a write count: a checkpoint's files and its publishing, the tokenizer's atomic writes, part files
+and merged copies. Checked by recording the path of every descriptor os.fsync is called on."""
 
 from __future__ import annotations
 
@@ -9,13 +10,28 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+import torch
 
 from musiclm_stab.tokenizer.merge import merge_shards
 from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.tokenizer.store import atomic_write
+from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads descriptors' paths from /proc")
 SR = 24_000
+
+
+@pytest.fixture
+def accelerator():
+    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 8)
+    acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    yield acc
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def record_fsyncs(monkeypatch) -> list[tuple[str, bool]]:
@@ -29,6 +45,25 @@ def record_fsyncs(monkeypatch) -> list[tuple[str, bool]]:
 
     monkeypatch.setattr(os, "fsync", recording)
     return synced
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["writer", "synchronous"])
+def test_every_file_and_directory_of_a_checkpoint_is_fsynced(accelerator, tmp_path, monkeypatch, background):
+    """Every file of the checkpoint and its directory are fsynced before the rename, and checkpoints/
+    after it (before: no directory, and in the synchronous save only the manifest): a power loss after
+    publish cannot lose the new checkpoint or leave it half on disk, once the older ones are pruned."""
+    synced = record_fsyncs(monkeypatch)
+    writer = CheckpointWriter(accelerator, tmp_path, background=background)
+    final = writer.save(2, {}, keep=1)
+    writer.wait()
+    ckpt_dir = tmp_path / "checkpoints"
+    tmp = ckpt_dir / ".tmp-step_00000002"
+    files = {str(tmp / p.name) for p in final.iterdir()}
+    assert files <= {path for path, is_dir in synced if not is_dir}, sorted(files)
+    dirs = [path for path, is_dir in synced if is_dir]
+    assert str(tmp) in dirs and str(ckpt_dir) in dirs, dirs
+    # the directory holding the rename is synced after it (only then may older checkpoints go)
+    assert dirs.index(str(ckpt_dir)) > max(i for i, d in enumerate(dirs) if d == str(tmp))
 
 
 def test_atomic_write_syncs_its_directory(tmp_path, monkeypatch):
