@@ -1,6 +1,6 @@
-"""Resuming trusts nothing it loads: a pickle of code in a checkpoint is refused without running; the
-registered state is JSON; a finished background write survives an exception in training; SIGTERM on a
-checkpoint step publishes that step once."""
+"""Resuming trusts nothing it loads: a pickle of code in a checkpoint is refused without running, data of
+other weights or other rows is refused; the registered state is JSON; a finished background write
+survives an exception in training; SIGTERM on a checkpoint step publishes that step once."""
 
 from __future__ import annotations
 
@@ -117,6 +117,52 @@ def test_a_pickle_of_code_in_a_checkpoint_is_refused_not_run(tokenized_dataset, 
     assert f"error: cannot load checkpoint {ckpt}: " in err and target in err, err[-2000:]
     assert "never loaded" in err or "refused without being unpickled" in err, err[-2000:]
     assert steps_logged(tmp_path / NAME) == [1, 2]
+
+
+def test_resume_refuses_a_checkpoint_of_other_tokenizer_weights(tokenized_dataset, trained, tmp_path, capsys):
+    """A checkpoint whose manifest names other tokenizer weights than data.path's (e.g. copied from
+    another run) is refused on --resume with both sha256 (before: the manifest's tokenizer_sha256 was
+    ignored and the run resumed)."""
+    ckpt = copy_run(trained, tmp_path)
+    state = checkpoint.read_state(ckpt)
+    now, state["tokenizer_sha256"] = state["tokenizer_sha256"], "0" * 64
+    (ckpt / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    capsys.readouterr()
+    assert train.main(args(tokenized_dataset, tmp_path, "--train.max_steps=3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot resume {ckpt} with data.path={tokenized_dataset}" in err, err[-2000:]
+    assert f"tokenized with other EnCodec weights (sha256 {'0' * 64} in the checkpoint, {now} now)" in err
+    assert steps_logged(tmp_path / NAME) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def other_rows(tokenized_dataset, local_weights, tmp_path_factory) -> Path:
+    """The audio of ``tokenized_dataset`` tokenized with the same weights into 6 s segments: the same
+    tokenizer, other rows."""
+    from musiclm_stab.tokenizer.pipeline import tokenize
+
+    out = tmp_path_factory.mktemp("other") / "tokens6"
+    tokenize(tokenized_dataset.parent / "audio", out, weights=str(local_weights), segment_seconds=6.0,
+             min_seconds=1.0, progress=False, weights_note="test weights fitted on synthetic music", workers=0)
+    return out
+
+
+def test_resume_refuses_other_rows_but_not_a_copy(tokenized_dataset, trained, other_rows, tmp_path, capsys):
+    """--resume with data.path set to other rows tokenized with the same weights is refused with an
+    error naming both paths (before: the saved data position was applied to the other dataset); the
+    same rows under another path (a copied folder) resume."""
+    ckpt = copy_run(trained, tmp_path)
+    capsys.readouterr()
+    assert train.main(args(other_rows, tmp_path, "--train.max_steps=3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert (f"error: cannot resume {ckpt} with data.path={other_rows}: its data position counts the rows of "
+            f"data.path={tokenized_dataset}, and data.path={other_rows} holds other rows") in err, err[-2000:]
+    assert steps_logged(tmp_path / NAME) == [1, 2]
+    reset_accelerate()
+    moved = tmp_path / "moved_tokens"
+    shutil.copytree(tokenized_dataset, moved)
+    assert train.main(args(moved, tmp_path, "--train.max_steps=3", "--resume")) == 0
+    assert steps_logged(tmp_path / NAME) == [1, 2, 3]
 
 
 class FailingTrainer(Trainer):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -33,7 +34,7 @@ from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
 from musiclm_stab.training.registered import Registered
-from musiclm_stab.training.resume import check_resumable
+from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
     MetricsWriter,
     check_run_dir,
@@ -137,11 +138,17 @@ class Trainer:
         data) is stored as JSON in the checkpoint's registered.json (training/registered.py), never pickled."""
         return [("grad_clipper", self.clipper), ("spike_guard", self.guard)]
 
+    @functools.cached_property
+    def data_identity(self) -> dict:
+        """What the checkpoints record of the data their position indexes, and a resume checks
+        (training/resume.py): the tokenizer's weights sha256 and the rows' fingerprint."""
+        return {"tokenizer_sha256": self.tokenizer_sha256, "data_fingerprint": data_fingerprint(self.cfg.data.path)}
+
     def load_checkpoint(self, ckpt: Path) -> int:
         """Restore checkpoint ``ckpt`` (already verified against its hashes); returns its step. Refused
         (ConfigError) where it cannot be resumed exactly, or holds anything but data (checkpoint_load)."""
         state = checkpoint.read_state(ckpt)
-        check_resumable(ckpt, state, self.cfg, self.accelerator.num_processes)
+        check_resumable(ckpt, state, self.cfg, self.accelerator.num_processes, self.data_identity)
         checkpoint_load.load(self.accelerator, ckpt, self.registered_objects())
         self.checkpoints.intact.add(ckpt)  # pruning and a repeated save need not hash it again
         self.consumed = state["consumed_micro_batches"]
@@ -353,8 +360,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
-                 "config": self.cfg.to_dict(),
-                 "tokenizer_sha256": self.tokenizer_sha256}
+                 "config": self.cfg.to_dict(), **self.data_identity}
         return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every,
                                      self.registered_objects())
 
