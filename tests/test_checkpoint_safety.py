@@ -85,7 +85,7 @@ def test_registered_state_is_json(trained):
     pickle-format files are accelerate's optimizer, scheduler and RNG states, none a registered object."""
     ckpt = trained / NAME / "checkpoints" / "step_00000002"
     saved = json.loads((ckpt / "registered.json").read_text())
-    assert sorted(saved) == ["grad_clipper", "spike_guard"]
+    assert sorted(saved) == ["grad_clipper", "precision", "spike_guard"]
     assert saved["grad_clipper"]["count"] == 2 and isinstance(saved["spike_guard"]["window"], list)
     assert "registered.json" in checkpoint.read_state(ckpt)["files"]
     assert sorted(p.name for p in ckpt.iterdir() if p.suffix in (".pkl", ".bin")) == [

@@ -7,7 +7,8 @@ help (they are in the same directory). So the trainer does not register them wit
 ``state_dict()`` (numbers, strings, lists and dicts of them) goes into ``registered.json`` in the
 checkpoint, one entry per name, hashed by the manifest like every file, and is read back with ``json``.
 
-An object to checkpoint needs ``state_dict()`` returning such plain data and ``load_state_dict(state)``;
+An object to checkpoint needs ``state_dict()`` returning such plain data (``plain``: 0-d tensors and numpy
+scalars become numbers, anything else is refused) and ``load_state_dict(state)``;
 the trainer lists them, with their names, in ``Trainer.registered_objects``.
 """
 
@@ -17,8 +18,10 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
+import torch
 from accelerate import Accelerator
 
 REGISTERED_FILE = "registered.json"
@@ -48,13 +51,39 @@ def refuse_pickled_objects(accelerator: Accelerator) -> None:
                          "pickled into the checkpoint; list them in Trainer.registered_objects instead (JSON)")
 
 
+def plain(value: Any, where: str) -> Any:
+    """``value`` as data that ``json`` writes and reads back unchanged: None, bool, int, float, str, lists
+    (from lists or tuples) and dicts with str keys; a 0-d tensor or a numpy scalar becomes the Python number
+    it holds (``.item()``: exact, a float32 or float16 value is a float64 value too). Anything else raises
+    TypeError naming ``where`` (the object and key): json would refuse it, or silently change it (an int
+    key becomes a str, a tensor of several values has no plain form that loads back as a tensor)."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):  # first: np.float64 is also a float
+        if value.ndim != 0:
+            raise TypeError(f"{where} is a {type(value).__name__} of shape {tuple(value.shape)}: registered "
+                            "state must be plain data (a tensor or array of one 0-d value at most)")
+        return plain(value.item(), where)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where} has key {bad[0]!r} ({type(bad[0]).__name__}): registered state needs str "
+                            "keys (JSON would turn it into a str and the state would not load back as it was)")
+        return {k: plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    raise TypeError(f"{where} is a {type(value).__name__}: registered state must be plain data (numbers, "
+                    "strings, lists, dicts with str keys), stored as JSON and never pickled")
+
+
 def to_json(objects: Registered) -> str:
     """The contents of ``registered.json``: {name: state_dict()}, taken now (a snapshot: the objects go on
-    changing while a background write runs). A state that is not plain data raises TypeError."""
+    changing while a background write runs), converted by ``plain`` (TypeError for what is not data)."""
     names = [name for name, _ in objects]
     if len(set(names)) != len(names):
         raise ValueError(f"registered objects need distinct names, got {names}")
-    return json.dumps({name: obj.state_dict() for name, obj in objects}, indent=1) + "\n"
+    state = {name: plain(obj.state_dict(), f"{name} ({type(obj).__name__}) state_dict()") for name, obj in objects}
+    return json.dumps(state, indent=1) + "\n"
 
 
 def write(objects: Registered, directory: Path) -> Path:
