@@ -235,3 +235,17 @@ def test_a_write_failure_that_is_no_full_disk_gets_no_disk_advice(accelerator, t
     assert f"could not write checkpoint step_00000002 in {tmp_path / 'checkpoints'}" in message, message
     assert "Input/output error" in message and "Fix the cause" in message, message
     assert "Free some space" not in message and "there is no earlier checkpoint" in message, message
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_an_object_registered_with_accelerate_is_refused_not_pickled(accelerator, tmp_path, background):
+    """An object registered with accelerate's register_for_checkpointing (which would be pickled into
+    custom_checkpoint_0.pkl and unpickled on resume) makes a checkpoint write raise a ValueError naming its
+    type, and nothing is published (before: both write paths published a checkpoint regardless)."""
+    accelerator.register_for_checkpointing(Counter())
+    writer = CheckpointWriter(accelerator, tmp_path, background=background)
+    with pytest.raises(ValueError, match=r"register_for_checkpointing \(Counter\) would be pickled"):
+        writer.save(2, {"consumed_micro_batches": 2}, keep=2, objects=accelerator.registered)
+        writer.wait()
+    assert checkpoint.list_checkpoints(tmp_path) == []
+    assert not list(tmp_path.rglob("custom_checkpoint_*.pkl"))
