@@ -30,18 +30,19 @@ from musiclm_stab.training import checkpoint, checkpoint_writer
 from musiclm_stab.training.stability import GradClipper
 
 
-def setup(size: str, device: str) -> Accelerator:
+def setup(size: str, device: str) -> tuple[Accelerator, list]:
+    """The accelerate state of a model of ``size`` after a first step, and the registered objects a
+    trainer checkpoints with it (stored as JSON)."""
     acc = Accelerator(cpu=device == "cpu")
     model = MusicMLM(ModelConfig(size=size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     model, opt, sched = acc.prepare(model, opt, sched)
-    acc.register_for_checkpointing(GradClipper(OptimConfig()))
     for p in model.parameters():  # the optimizer's moments exist, as after a first step (no forward needed)
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return acc
+    return acc, [("grad_clipper", GradClipper(OptimConfig()))]
 
 
 def dir_mib(path: Path) -> float:
@@ -63,7 +64,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     rows = []
     for size in args.sizes:
-        acc = setup(size, args.device)
+        acc, objects = setup(size, args.device)
         run_dir = root / size
         shutil.rmtree(run_dir, ignore_errors=True)
         writer = checkpoint_writer.CheckpointWriter(acc, run_dir / "bg")
@@ -71,10 +72,10 @@ def main() -> None:
         t_sync, t_blocked, t_total = [], [], []
         for r in range(args.rounds + 1):  # round 0: warm-up (pinned buffers, page cache, imports)
             t = time.perf_counter()
-            final = checkpoint.save(acc, run_dir / "sync", r, {}, keep=1)
+            final = checkpoint.save(acc, run_dir / "sync", r, {}, keep=1, objects=objects)
             dt_sync = time.perf_counter() - t
             t = time.perf_counter()
-            writer.save(r, {}, keep=1)
+            writer.save(r, {}, keep=1, objects=objects)
             dt_blocked = time.perf_counter() - t
             writer.wait()
             dt_total = time.perf_counter() - t

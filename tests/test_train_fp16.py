@@ -130,8 +130,9 @@ def test_min_loss_scale_ends_the_run_with_a_clear_error(tokenized_dataset, tmp_p
 
 
 def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
-    """Stopped at step 3 and resumed, a fairseq-fp16 run (with an overflow and window doublings) logs the same
-    rows, loss scale included, and ends with the same weights as an uninterrupted run."""
+    """Stopped at step 3 and resumed, a fairseq-fp16 run (with an overflow and window doublings) restores its
+    loss scaler's counters from registered.json, logs the same rows, loss scale included, and ends with the
+    same weights as an uninterrupted run."""
     common = ["--train.max_steps=6", "--train.fp16_scale_window=2", "--train.checkpoint_every=3"]
     straight = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="straight"), at=[(2, 0)])
     straight.run()
@@ -140,6 +141,11 @@ def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
     first.run()
     resumed = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="split"), resume=True)
     assert resumed.step == 3
+    saved = json.loads((resumed.run_dir / "checkpoints" / "step_00000003" / "registered.json").read_text())
+    # iterations: 3 updates and the overflow (the second); restored, not restarted from the settings
+    assert saved["precision"]["loss_scaler"]["iteration"] == 4
+    assert saved["precision"]["loss_scaler"]["last_overflow"] == 1
+    assert resumed.precision.scaler.state_dict() == saved["precision"]["loss_scaler"]
     resumed.run()
     a, b = rows(straight.run_dir), rows(resumed.run_dir)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
@@ -152,6 +158,34 @@ def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
     assert all(torch.equal(x, y) for x, y in zip(straight.precision.master, resumed.precision.master))
+
+
+def test_amp_fp16_resume_is_bit_exact_with_the_grad_scaler_in_registered_json(tokenized_dataset, tmp_path):
+    """Stopped at step 3 and resumed, an amp-fp16 run with an overflow logs the same rows (loss scale
+    included) and ends with the same weights as an uninterrupted run; the GradScaler's state rides in the
+    checkpoint's registered.json (JSON, its scale the one logged at step 3), not in a pickle."""
+    common = ["--train.max_steps=6", "--train.fp16_mode=amp", "--train.checkpoint_every=3"]
+    straight = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="straight"), at=[(2, 0)])
+    straight.run()
+    first = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, "--train.stop_at=3", name="split"),
+                            at=[(2, 0)])
+    first.run()
+    ckpt = first.run_dir / "checkpoints" / "step_00000003"
+    saved = json.loads((ckpt / "registered.json").read_text())["precision"]["grad_scaler"]
+    a = rows(straight.run_dir)
+    assert saved["scale"] == a[2]["loss_scale"] < 65536 and saved["_growth_tracker"] == 1
+    assert not [p.name for p in ckpt.iterdir() if p.name.startswith(("custom_checkpoint", "scaler"))]
+    resumed = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="split"), resume=True)
+    assert resumed.step == 3 and resumed.precision.loss_scale == saved["scale"]
+    resumed.run()
+    b = rows(resumed.run_dir)
+    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] and a[1]["overflow_step"] == 1
+    for ra, rb in zip(a, b):
+        ra, rb = dict(ra), dict(rb)
+        ra.pop("audio_s_per_s"), rb.pop("audio_s_per_s")
+        assert ra == rb
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_amp_mode_on_cpu_uses_grad_scaler_and_counts_overflows_as_steps(tokenized_dataset, tmp_path):

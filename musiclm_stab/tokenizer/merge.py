@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from musiclm_stab.data.tokenized import STATE_DIR, device_of, job_units, read_info, warn_mixed_devices
+from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.tokenizer.lock import output_lock
 from musiclm_stab.tokenizer.store import (
     DEVICE_KEY,
@@ -83,7 +84,9 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
                     os.link(d.out / record["file"], tmp)
                 except OSError:
                     shutil.copyfile(d.out / record["file"], tmp)
+                fsync_file(tmp)  # a copy's data (a link's is the shard's file) is on disk before the rename
                 os.replace(tmp, dst)  # whole or absent: the record below is what makes the unit count
+                fsync_dir(dst.parent)  # and so is the rename, before that record is written
             target.commit(record)
         meta = {k: v for k, v in infos[0].items() if k not in ("parts",)}
         meta.update(shard=None, job_sha256=job_sha256(merged), merged_from=[str(d.out) for d in dirs],

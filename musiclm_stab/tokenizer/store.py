@@ -54,6 +54,7 @@ from musiclm_stab.data.tokenized import (
     codebook_usage,
     unit_groups,
 )
+from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.tokenizer.lock import LOCK_FILE
 from musiclm_stab.tokenizer.policy import silent_reason
 from musiclm_stab.tokenizer.sources import TokenizeError
@@ -73,13 +74,15 @@ class OutputMismatch(ValueError):
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write a file so that it is either absent, the old version, or complete: never half written."""
+    """Write a file so that it is either absent, the old version, or complete: never half written, also
+    after a power loss (the data is fsynced before the rename, the directory after it)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -335,6 +338,7 @@ class OutputDir:
                                 f"all reasons in {self.out / FAILURES_FILE}")
         if parts:  # a shard may finish with no rows (fewer units than shards, or all its inputs failed)
             datasets.DatasetInfo(features=FEATURES).write_to_directory(str(self.out))
+            fsync_file(self.out / "dataset_info.json")  # its directory entry: with tokenizer.json's, below
             fingerprint = hashlib.sha256(json.dumps([meta.get("job_sha256"), parts]).encode()).hexdigest()[:16]
             state = {"_data_files": [{"filename": p["file"]} for p in parts], "_fingerprint": fingerprint,
                      "_format_columns": None, "_format_kwargs": {}, "_format_type": None,

@@ -23,6 +23,7 @@ from datasets.arrow_writer import ArrowWriter
 from musiclm_stab import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, AudioReader, resampled_blocks, scan
 from musiclm_stab.data.tokenized import FEATURES
+from musiclm_stab.durable import fsync_dir
 from musiclm_stab.tokenizer.encode import encode_batch, fp32_precision
 from musiclm_stab.tokenizer.policy import UnitSettings, refusal, silent_reason
 from musiclm_stab.tokenizer.segments import Piece, cut_segments, piece_rows, segment_bounds
@@ -141,6 +142,7 @@ class _Part:
         with open(self.tmp, "rb") as f:  # on disk before the rename makes it count
             os.fsync(f.fileno())
         os.replace(self.tmp, self.out.part_file(self.k))
+        fsync_dir(self.out.parts_dir)  # the rename too, before the unit's record makes it count
         return self.out.part_file(self.k).relative_to(self.out.out).as_posix()
 
     def discard(self) -> None:

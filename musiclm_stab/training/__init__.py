@@ -4,6 +4,9 @@
     optim.py       AdamW and the warmup / linear-decay schedule
     stability.py   gradient clipping rules, the spike guard, per-layer diagnostics
     checkpoint.py  checkpoints that are complete or absent, coordinated across processes
+    checkpoint_writer.py  the same, written by a thread after a CPU copy of the state
+    checkpoint_load.py    loading a checkpoint without unpickling code
+    registered.py  the trainer's own stateful objects in a checkpoint, as JSON
     resume.py      refusing a --resume that could not continue exactly
     stop.py        SIGTERM / SIGINT: checkpoint and stop after the current step
     tracking.py    train.trackers, config as hparams, metrics-row counters and cross-process means

@@ -1,32 +1,42 @@
-"""Checkpoints that are complete or absent.
+"""Checkpoints that are complete or absent, and durable once published.
 
-A checkpoint is an accelerate state (model, optimizer, scheduler, grad scaler, RNG states, registered
-objects) written into ``checkpoints/.tmp-step_N``, completed by a manifest ``trainer_state.json``
-(step, data position, sha256 of every file) and only then renamed to ``checkpoints/step_N``. A crash
-at any moment leaves either the previous checkpoints or the new complete one; ``newest_valid`` checks
-the hashes and skips a damaged checkpoint with a warning instead of loading it half-way; the
-``.tmp-*`` left by a write that a crash interrupted is removed on ``--resume`` and before the next write.
+A checkpoint is an accelerate state (model, optimizer, scheduler, grad scaler, RNG states) plus the
+trainer's registered objects as JSON (``registered.py``; nothing in a checkpoint is a pickle of code),
+written into ``checkpoints/.tmp-step_N``, completed by a manifest ``trainer_state.json`` (step, data
+position, sha256 of every file) and only then renamed to ``checkpoints/step_N``. Every file, the
+manifest and the directory are fsynced before the rename, and the directory holding ``step_N`` after it
+(``durable.fsync_dir``), so a crash or a power loss at any moment leaves either the previous checkpoints
+or the new complete one; ``newest_valid`` checks the hashes and skips a damaged checkpoint with a warning
+instead of loading it half-way; the ``.tmp-*`` left by a write that a crash interrupted is removed on
+``--resume`` and before the next write.
 
-Pruning keeps the newest ``train.keep_checkpoints`` plus, with ``train.keep_every=M``, every checkpoint
-at a multiple of M. A write that fails (e.g. the disk is full) removes its partial ``.tmp-*`` and raises
-``CheckpointWriteError`` naming the directory, the free space and the previous checkpoint, left intact.
+Pruning keeps the newest ``train.keep_checkpoints`` *intact* checkpoints (hashes checked; never fewer
+than one, the one just written) plus, with ``train.keep_every=M``, every checkpoint at a multiple of M;
+the others go, damaged ones included (they can never be loaded). A step that is already published and
+intact is never written again (a SIGTERM right after a checkpoint asks for the same step): rewriting it
+would delete it before its replacement is in place. A write that fails (e.g. the disk is full) removes
+its partial ``.tmp-*`` and raises ``CheckpointWriteError`` naming the directory, the free space and the
+previous checkpoint, left intact.
 
-``save`` runs in phases, each a named function: ``remove_partial``, ``write_state`` (every process),
-``write_manifest``, ``publish``, ``prune`` (main process). After each, the processes exchange whether
-their part failed (``_agree``), so a failure on any one process stops every process with the same
-CheckpointWriteError instead of leaving the others at a barrier until the launcher's timeout.
+``save`` runs in phases, each a named function: ``remove_partial``, ``already_published``,
+``write_state`` (every process), ``write_manifest``, ``publish``, ``prune`` (main process). After each,
+the processes exchange whether their part failed (``_agree``), so a failure on any one process stops
+every process with the same CheckpointWriteError instead of leaving the others at a barrier until the
+launcher's timeout.
 
 ``checkpoint_writer.CheckpointWriter`` (what the trainer uses) runs the same protocol with the slow part
-on a thread.
+on a thread; ``checkpoint_load`` loads a checkpoint without unpickling code.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -34,6 +44,10 @@ from accelerate.utils import (
     broadcast_object_list,
     gather_object,
 )
+
+from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.training import registered
+from musiclm_stab.training.registered import Registered
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -75,9 +89,42 @@ def verify(ckpt: Path) -> str | None:
         f = ckpt / name
         if not f.is_file():
             return f"{name} is missing"
-        if sha256_file(f) != digest:
-            return f"{name} does not match its sha256 in {STATE_FILE}"
+        try:
+            if sha256_file(f) != digest:
+                return f"{name} does not match its sha256 in {STATE_FILE}"
+        except OSError as e:
+            return f"{name} is unreadable: {e.strerror}"
     return None
+
+
+class Intact:
+    """The checkpoints this process wrote or verified, so that pruning and a repeated save do not hash
+    them again (a checkpoint of a large model is gigabytes). Keyed by the directory's inode: a directory
+    replaced since (published again, or removed and made anew) is verified again."""
+
+    def __init__(self):
+        self._known: dict[Path, int] = {}
+
+    def add(self, ckpt: Path) -> None:
+        """``ckpt`` was just written (its manifest hashes what was written) or verified."""
+        self._known[Path(ckpt)] = Path(ckpt).stat().st_ino
+
+    def forget(self, ckpt: Path) -> None:
+        self._known.pop(Path(ckpt), None)
+
+    def problem(self, ckpt: Path) -> str | None:
+        """``verify(ckpt)``, skipped for a checkpoint known intact."""
+        ckpt = Path(ckpt)
+        try:
+            inode = ckpt.stat().st_ino
+        except OSError as e:
+            return f"unreadable: {e.strerror}"
+        if self._known.get(ckpt) == inode:
+            return None
+        problem = verify(ckpt)
+        if problem is None:
+            self._known[ckpt] = inode
+        return problem
 
 
 def newest_valid(run_dir: Path) -> Path | None:
@@ -105,75 +152,179 @@ def remove_partial(run_dir: Path) -> list[Path]:
     return found
 
 
-def to_prune(steps: list[int], keep: int, keep_every: int = 0) -> list[int]:
-    """Steps to delete: all but the newest ``keep`` (>= 1) and, if ``keep_every`` > 0, its multiples."""
-    return [s for s in sorted(steps)[:-keep] if not (keep_every and s % keep_every == 0)]
+def to_prune(steps: Sequence[int], keep: int, keep_every: int = 0,
+             intact: Callable[[int], bool] = lambda step: True) -> list[int]:
+    """Steps to delete: all but the newest ``keep`` (>= 1) of those ``intact`` says are intact and, if
+    ``keep_every`` > 0, the multiples of it. A damaged checkpoint never counts towards ``keep`` (it can
+    never be loaded): it goes unless it is such a multiple. ``intact`` is asked about the newest steps
+    only, until ``keep`` of them are intact."""
+    kept, doomed = 0, []
+    for step in sorted(steps, reverse=True):
+        if kept < keep and intact(step):
+            kept += 1
+        elif not (keep_every and step % keep_every == 0):
+            doomed.append(step)
+    return sorted(doomed)
 
 
-def write_state(accelerator: Accelerator, tmp: Path) -> None:
+def write_state(accelerator: Accelerator, tmp: Path, objects: Registered = ()) -> None:
     """Phase 1 of a write, on every process: the accelerate state (weights, optimizer, scheduler, scaler,
-    registered objects, this process's RNG states) into ``tmp``."""
+    this process's RNG states) into ``tmp``; on the main process also ``registered.json``."""
+    registered.refuse_pickled_objects(accelerator)
     accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        registered.write(objects, tmp)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every directory under ``root`` (deepest first) and ``root``: their entries name the files."""
+    for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
+    fsync_dir(root)
 
 
 def write_manifest(tmp: Path, step: int, state: dict, files: dict[str, str] | None = None) -> None:
-    """Phase 2, main process: ``trainer_state.json`` (step, ``state``, sha256 of every file), fsynced.
-    Its presence is what makes ``tmp`` a complete checkpoint. ``files``: {name: sha256} already computed
-    by the processes that wrote them (CheckpointWriter); by default every file in ``tmp`` is hashed here."""
+    """Phase 2, main process: ``trainer_state.json`` (step, ``state``, sha256 of every file). Its presence
+    is what makes ``tmp`` a complete checkpoint. ``files``: {name: sha256} already computed, and the files
+    fsynced, by the processes that wrote them (CheckpointWriter); by default every file in ``tmp`` is
+    hashed and fsynced here. Then the manifest and the directories are fsynced: once this returns, the
+    checkpoint is on disk whole, and renaming it into place (``publish``) cannot expose a part of it."""
     if files is None:
-        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                fsync_file(p)
+                files[p.relative_to(tmp).as_posix()] = sha256_file(p)
     files = dict(sorted(files.items()))
     manifest = tmp / STATE_FILE
     manifest.write_text(json.dumps({"step": step, **state, "files": files}, indent=1))
-    with manifest.open("rb") as f:
-        os.fsync(f.fileno())
+    fsync_file(manifest)
+    _fsync_tree(tmp)
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Phase 3, main process: move the complete checkpoint into place (replacing one of the same step)."""
+    """Phase 3, main process: move the complete checkpoint into place, and fsync the directories whose
+    entries that changed (``checkpoints/``, and the run directory holding it) before anything older is
+    pruned. A checkpoint already at ``final`` is a damaged one (an intact one is never written again:
+    ``already_published``): it is moved aside (a ``.tmp-*`` name, removed like a partial write if a
+    crash leaves it) and removed once the new one is in place."""
+    aside = final.with_name(f"{PARTIAL_PREFIX}replaced-{final.name}")
     if final.exists():
-        shutil.rmtree(final)
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
+    fsync_dir(final.parent.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
 
 
-def prune(run_dir: Path, keep: int, keep_every: int = 0) -> None:
-    """Phase 4, main process: delete the checkpoints ``to_prune`` names."""
+def prune(run_dir: Path, keep: int, keep_every: int = 0, intact: Intact | None = None) -> list[Path]:
+    """Phase 4, main process: delete the checkpoints ``to_prune`` names, checking the integrity of the
+    newest ones (``intact`` knows those this process wrote or verified). Returns the deleted ones."""
+    intact = intact or Intact()
     by_step = {checkpoint_step(c): c for c in list_checkpoints(run_dir)}
-    for old in to_prune(list(by_step), keep, keep_every):
-        shutil.rmtree(by_step[old])
+    problems: dict[int, str | None] = {}
+
+    def is_intact(step: int) -> bool:
+        problems[step] = intact.problem(by_step[step])
+        return problems[step] is None
+
+    doomed = [by_step[s] for s in to_prune(list(by_step), keep, keep_every, is_intact)]
+    for ckpt in doomed:
+        if problems.get(checkpoint_step(ckpt)):
+            warnings.warn(f"removing damaged checkpoint {ckpt}: {problems[checkpoint_step(ckpt)]}", stacklevel=2)
+        shutil.rmtree(ckpt)
+        intact.forget(ckpt)
+    return doomed
+
+
+def reuse_published(final: Path, step: int, state: dict, intact: Intact) -> bool:
+    """True if checkpoint ``step`` is already in place and intact: it is then not written again. If the
+    ``state`` it records differs (after a spike-guard rollback the data position moved on, while the files
+    are those of the checkpoint just loaded), only its manifest is replaced, atomically. False if it is
+    absent or damaged (then written anew)."""
+    if not final.is_dir() or intact.problem(final) is not None:
+        return False
+    manifest = read_state(final)
+    wanted = json.loads(json.dumps({"step": step, **state, "files": manifest["files"]}))  # as JSON reads back
+    if wanted != manifest:
+        part = final / f"{PARTIAL_PREFIX}{STATE_FILE}"
+        part.write_text(json.dumps(wanted, indent=1))
+        fsync_file(part)
+        os.replace(part, final / STATE_FILE)
+        fsync_dir(final)
+    return True
+
+
+def already_published(accelerator: Accelerator, run_dir: Path, tmp: Path, final: Path, step: int, state: dict,
+                      intact: Intact) -> bool:
+    """``reuse_published``, decided by the main process and known to all (a collective)."""
+    box: list[bool] = []
+    run_phase(accelerator, run_dir, tmp, accelerator.is_main_process,
+              lambda: box.append(reuse_published(final, step, state, intact)))
+    flag = [box[0] if box else False]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(flag, from_process=0)
+    return flag[0]
 
 
 def _reason(error: BaseException) -> str:
-    return str(getattr(error, "strerror", None) or error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-def _agree(accelerator: Accelerator, error: BaseException | None) -> list[str]:
-    """Every process's failure (``"process i of n: reason"``) of the phase just done, known to all of them.
+# torch.save reports a full disk as a RuntimeError of its zip writer, not as OSError.
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk (or quota): only then is freeing space the advice."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _TORCH_WRITE_FAILED)
+
+
+def _agree(accelerator: Accelerator, error: BaseException | None) -> list[tuple[str, bool]]:
+    """Every process's failure of the phase just done, as (``"process i of n: reason"``, whether it is a
+    full disk), known to all of them.
 
     Under several processes this is a collective (it also orders the phases, as a barrier would): a
     process whose write failed must not leave the others waiting at the next barrier until the
     launcher's timeout. One process: no communication."""
     if accelerator.num_processes == 1:
-        return [] if error is None else [_reason(error)]
+        return [] if error is None else [(_reason(error), _is_disk_full(error))]
     mine = None
     if error is not None:
-        mine = f"process {accelerator.process_index} of {accelerator.num_processes}: {_reason(error)}"
+        mine = (f"process {accelerator.process_index} of {accelerator.num_processes}: {_reason(error)}",
+                _is_disk_full(error))
     return [r for r in gather_object([mine]) if r is not None]
 
 
-def _write_failure(run_dir: Path, tmp: Path, reasons: list[str]) -> str:
+def _write_failure(run_dir: Path, tmp: Path, reasons: list[tuple[str, bool]], doing: str) -> str:
     ckpt_dir = Path(run_dir) / "checkpoints"
+    step = tmp.name[len(PARTIAL_PREFIX):]
+    previous = newest_valid(run_dir)
+    kept = (f"the previous checkpoint {previous.name} is intact" if previous is not None
+            else "there is no earlier checkpoint")
+    why = "; ".join(text for text, _ in reasons)
+    if doing == "copy":  # the copy of the state into host memory, before anything is written
+        return (f"could not copy the training state of checkpoint {step} to host memory: {why}. Nothing was "
+                f"written to {ckpt_dir} and {kept}. Fix the cause (e.g. free host memory), then resume with "
+                "the same command and --resume.")
     try:
         free = f"{shutil.disk_usage(ckpt_dir).free / 2**30:.2f} GiB free"
     except OSError as e:
         free = f"free space unknown: {e.strerror}"
-    previous = newest_valid(run_dir)
-    kept = (f"the previous checkpoint {previous.name} is intact" if previous is not None
-            else "there is no earlier checkpoint")
-    return (f"could not write checkpoint {tmp.name[len(PARTIAL_PREFIX):]} in {ckpt_dir} ({free}): "
-            f"{'; '.join(reasons)}. The partial write was removed and {kept}. Free some space (or lower "
-            "train.keep_checkpoints, or set train.output_dir elsewhere), then resume with the same command "
-            "and --resume.")
+    if any(full for _, full in reasons):
+        advice = ("Free some space (or lower train.keep_checkpoints, or set train.output_dir elsewhere), then "
+                  "resume with the same command and --resume.")
+    else:
+        advice = "Fix the cause, then resume with the same command and --resume."
+    return (f"could not write checkpoint {step} in {ckpt_dir} ({free}): {why}. The partial write was "
+            f"removed and {kept}. {advice}")
 
 
 def _fail(accelerator: Accelerator, message: str) -> CheckpointWriteError:
@@ -184,17 +335,19 @@ def _fail(accelerator: Accelerator, message: str) -> CheckpointWriteError:
     return CheckpointWriteError(box[0])
 
 
-# torch.save reports a full disk as RuntimeError ("unexpected pos"), not OSError.
-_WRITE_ERRORS = (OSError, RuntimeError)
+# Failures of the machine (disk, memory, device), reported as a CheckpointWriteError; anything else is
+# a bug, re-raised as itself.
+_EXPECTED_ERRORS = (OSError, RuntimeError, MemoryError)
 
 
 def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, action, *args,
-           published: bool = False) -> None:
+              published: bool = False, doing: str = "write") -> None:
     """``action(*args)`` where ``run`` (this process's part of a phase), then ``_agree``. If it failed on any
     process, every process raises the same CheckpointWriteError; before a checkpoint is ``published``
     the main process first removes the partial write (safe: every process is past its part of the
-    phase). An exception that is no write error (a bug, not the disk) is re-raised as itself where it
-    happened; the other processes still stop with the CheckpointWriteError naming it."""
+    phase). ``doing="copy"``: the phase copies the state to host memory (the message says so, and gives
+    no disk advice). An exception that is no failure of the machine (a bug) is re-raised as itself where
+    it happened; the other processes still stop with the CheckpointWriteError naming it."""
     error = None
     if run:
         try:
@@ -208,32 +361,36 @@ def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, act
     if accelerator.is_main_process:
         if published:  # the new checkpoint is complete and in place
             message = (f"checkpoint {tmp.name[len(PARTIAL_PREFIX):]} was written, but removing older "
-                       f"checkpoints of {tmp.parent} failed: {'; '.join(reasons)}. Fix the cause, then resume "
-                       "with the same command and --resume.")
+                       f"checkpoints of {tmp.parent} failed: {'; '.join(t for t, _ in reasons)}. Fix the cause, "
+                       "then resume with the same command and --resume.")
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # partial files only: nothing here was ever loadable
-            message = _write_failure(run_dir, tmp, reasons)
+            message = _write_failure(run_dir, tmp, reasons, doing)
     failure = _fail(accelerator, message)
-    if error is not None and not isinstance(error, _WRITE_ERRORS):
+    if error is not None and not isinstance(error, _EXPECTED_ERRORS):
         raise error
     raise failure from error
 
 
-def save(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int,
-         keep_every: int = 0) -> Path:
-    """Write the accelerate state aside, add the manifest, move it into place; keep the newest ``keep``
-    and every multiple of ``keep_every``.
+def save(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int, keep_every: int = 0,
+         objects: Registered = (), intact: Intact | None = None) -> Path:
+    """Write the accelerate state and ``objects`` (registered.py) aside, add the manifest, move it into
+    place; keep the newest ``keep`` intact checkpoints and every multiple of ``keep_every``. A step
+    already published and intact is kept as it is (``already_published``).
 
     Raises CheckpointWriteError (e.g. disk full) with the previous checkpoints intact. Under several
     processes a failure on any one of them is raised on all of them, with the same message, at the end
     of the phase it happened in (``run_phase``): none is left waiting at a barrier for the one that failed."""
+    intact = intact or Intact()
     ckpt_dir = Path(run_dir) / "checkpoints"
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = ckpt_dir / f"{PARTIAL_PREFIX}{CHECKPOINT_PREFIX}{step:08d}"
     main = accelerator.is_main_process
     run_phase(accelerator, run_dir, tmp, main, remove_partial, run_dir)  # left by a crash in an earlier write
-    run_phase(accelerator, run_dir, tmp, True, write_state, accelerator, tmp)
+    if already_published(accelerator, run_dir, tmp, final, step, state, intact):
+        return final
+    run_phase(accelerator, run_dir, tmp, True, write_state, accelerator, tmp, objects)
     run_phase(accelerator, run_dir, tmp, main, write_manifest, tmp, step, state)
-    run_phase(accelerator, run_dir, tmp, main, publish, tmp, final)
-    run_phase(accelerator, run_dir, tmp, main, prune, run_dir, keep, keep_every, published=True)
+    run_phase(accelerator, run_dir, tmp, main, lambda: (publish(tmp, final), intact.add(final)))
+    run_phase(accelerator, run_dir, tmp, main, prune, run_dir, keep, keep_every, intact, published=True)
     return final

@@ -2,16 +2,17 @@
 
 The protocol of ``checkpoint.save`` with the slow part off the training loop (issue 17: ~7 s per
 checkpoint of ``large`` blocked training). ``save`` waits for the previous write, then copies the state
-that accelerate's ``save_state`` would write to CPU memory (``snapshot``: weights, optimizer, scheduler,
-scaler, registered objects, RNG states; fast) and returns; a thread writes those files into the
-``.tmp-step_N`` directory in accelerate's layout, fsyncs and hashes them. The manifest, the rename and the
-pruning follow in the training thread, at the first ``poll`` that finds every process's thread done (a
-tiny all-reduce while a write is pending, none otherwise), at the next ``save``, or at ``wait`` (end of
-training, SIGTERM, before a rollback reads the checkpoints). Atomicity is unchanged: nothing is renamed
-into ``step_N`` before the manifest, and a failure on any process is agreed on (``run_phase``) and raised
-on every process with the same CheckpointWriteError as ``checkpoint.save``'s, at the poll/save/wait that
-publishes. Where the snapshot cannot stand for ``save_state`` (FSDP, DeepSpeed, save hooks, stateful data
-loaders, other accelerators) the writer falls back to ``checkpoint.save`` itself.
+that ``checkpoint.write_state`` would write to CPU memory (``snapshot``: weights, optimizer, scheduler,
+scaler, RNG states, and the registered objects as JSON; fast) and returns; a thread writes those files
+into the ``.tmp-step_N`` directory in accelerate's layout, fsyncs them and the directory, and hashes them.
+The manifest, the rename and the pruning follow in the training thread, at the first ``poll`` that finds
+every process's thread done (a tiny all-reduce while a write is pending, none otherwise), at the next
+``save``, or at ``wait`` (end of training, SIGTERM, before a rollback reads the checkpoints), or at
+``after_error`` when the loop raised. Atomicity is unchanged: nothing is renamed into ``step_N`` before
+the manifest, and a failure on any process is agreed on (``run_phase``) and raised on every process with
+the same CheckpointWriteError as ``checkpoint.save``'s, at the poll/save/wait that publishes. Where the
+snapshot cannot stand for ``save_state`` (FSDP, DeepSpeed, save hooks, stateful data loaders, other
+accelerators) the writer falls back to ``checkpoint.save`` itself.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -37,7 +39,9 @@ from accelerate.utils import (
 from accelerate.utils.other import clean_state_dict_for_safetensors
 from safetensors.torch import save_file
 
-from musiclm_stab.training import checkpoint
+from musiclm_stab.durable import fsync_dir
+from musiclm_stab.training import checkpoint, registered
+from musiclm_stab.training.registered import Registered
 
 _SNAPSHOT_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -101,12 +105,15 @@ class _HostCopies:
             self.cuda = False
 
 
-def snapshot(accelerator: Accelerator, copies: _HostCopies | None = None) -> dict[str, tuple[str, object]]:
-    """What ``accelerator.save_state`` (accelerate 1.x, safetensors weights) writes from this process, as
-    {file name: (format, CPU object)}, format "safetensors" or "torch": the same files, loadable by
-    ``accelerator.load_state`` (tests/test_checkpoint_async.py checks they hash the same on CPU).
-    Weights, optimizer, scheduler, scaler and registered objects come from the main process (save_state
-    writes them there only), the RNG states from every process."""
+def snapshot(accelerator: Accelerator, copies: _HostCopies | None = None,
+             objects: Registered = ()) -> dict[str, tuple[str, object]]:
+    """What ``checkpoint.write_state`` (accelerate 1.x ``save_state``, safetensors weights, and
+    ``registered.json``) writes from this process, as {file name: (format, CPU object)}, format
+    "safetensors", "torch" or "json" (text): the same files, loadable by ``accelerator.load_state``
+    (tests/test_checkpoint_async.py checks they hash the same on CPU). Weights, optimizer, scheduler,
+    scaler and registered objects come from the main process (save_state writes them there only), the
+    RNG states from every process."""
+    registered.refuse_pickled_objects(accelerator)
     copies = copies or _HostCopies()
     out: dict[str, tuple[str, object]] = {}
     main = accelerator.is_main_process
@@ -123,8 +130,7 @@ def snapshot(accelerator: Accelerator, copies: _HostCopies | None = None) -> dic
             out[name] = ("torch", copies.tree(sched.state_dict(), ("scheduler", i)))
         if accelerator.scaler is not None:
             out[SCALER_NAME] = ("torch", copies.tree(accelerator.scaler.state_dict(), ("scaler",)))
-        for i, obj in enumerate(accelerator._custom_objects):
-            out[f"custom_checkpoint_{i}.pkl"] = ("torch", copies.tree(obj.state_dict(), ("custom", i)))
+        out[registered.REGISTERED_FILE] = ("json", registered.to_json(objects))
     rng = {"step": accelerator.step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
            "torch_manual_seed": torch.get_rng_state()}
     if torch.cuda.is_available():  # as accelerate: every visible GPU's generator
@@ -135,18 +141,22 @@ def snapshot(accelerator: Accelerator, copies: _HostCopies | None = None) -> dic
 
 
 def write_snapshot(files: dict[str, tuple[str, object]], tmp: Path) -> dict[str, str]:
-    """Write ``snapshot``'s files into ``tmp``, each fsynced; returns {name: sha256} of what was written."""
+    """Write ``snapshot``'s files into ``tmp``, each fsynced, then ``tmp`` itself (its entries name them);
+    returns {name: sha256} of what was written."""
     tmp.mkdir(parents=True, exist_ok=True)
     digests = {}
     for name, (fmt, obj) in files.items():
         path = tmp / name
         if fmt == "safetensors":
             save_file(obj, str(path), metadata={"format": "pt"})
+        elif fmt == "json":
+            path.write_text(obj)
         else:
             torch.save(obj, path)
         with path.open("rb") as f:
             os.fsync(f.fileno())
         digests[name] = checkpoint.sha256_file(path)
+    fsync_dir(tmp)
     return digests
 
 
@@ -179,22 +189,27 @@ class CheckpointWriter:
         self.background = background and snapshot_unsupported(accelerator) is None
         self.pending: _Pending | None = None
         self.copies = _HostCopies()
+        self.intact = checkpoint.Intact()  # checkpoints written or verified here: pruning need not hash them
 
-    def save(self, step: int, state: dict, keep: int, keep_every: int = 0) -> Path:
-        """Start checkpoint ``step`` (after publishing the previous one); returns the path it will have.
-        Blocks only for the CPU copy of the state (and for the previous write, if still going)."""
+    def save(self, step: int, state: dict, keep: int, keep_every: int = 0, objects: Registered = ()) -> Path:
+        """Start checkpoint ``step`` (after publishing the previous one) with the registered ``objects``;
+        returns the path it will have. Blocks only for the CPU copy of the state (and for the previous
+        write, if still going). A step already published and intact is not written again."""
         self.wait()
         acc = self.accelerator
         if not self.background:
-            return checkpoint.save(acc, self.run_dir, step, state, keep, keep_every)
+            return checkpoint.save(acc, self.run_dir, step, state, keep, keep_every, objects, self.intact)
         ckpt_dir = self.run_dir / "checkpoints"
         final = ckpt_dir / f"{checkpoint.CHECKPOINT_PREFIX}{step:08d}"
         tmp = ckpt_dir / f"{checkpoint.PARTIAL_PREFIX}{checkpoint.CHECKPOINT_PREFIX}{step:08d}"
         main = acc.is_main_process
         checkpoint.run_phase(acc, self.run_dir, tmp, main, checkpoint.remove_partial, self.run_dir)
+        if checkpoint.already_published(acc, self.run_dir, tmp, final, step, state, self.intact):
+            return final
         checkpoint.run_phase(acc, self.run_dir, tmp, main, lambda: tmp.mkdir(parents=True))
         box: list = []
-        checkpoint.run_phase(acc, self.run_dir, tmp, True, lambda: box.append(snapshot(acc, self.copies)))
+        checkpoint.run_phase(acc, self.run_dir, tmp, True, lambda: box.append(snapshot(acc, self.copies, objects)),
+                             doing="copy")
         pending = _Pending(step, state, keep, keep_every, tmp, final)
         pending.thread = threading.Thread(target=pending.run, args=(box[0],), daemon=True,
                                           name=f"checkpoint-{step}")
@@ -218,6 +233,28 @@ class CheckpointWriter:
         Returns the checkpoint published, if one was pending."""
         return self._finish() if self.pending is not None else None
 
+    def after_error(self, error: BaseException) -> Path | None:
+        """The training loop raised ``error``: publish the pending write if that needs no other process.
+
+        One process: wait for it and publish it, so that a finished write is not thrown away (``--resume``
+        would remove its ``.tmp-step_N`` as interrupted). A failure to do so is printed, not raised: the
+        loop's own error is what the caller re-raises. Several processes: publishing is collective, and
+        the others may not have failed (one process calling a collective the others do not would hang),
+        so the write is left unpublished and ``--resume`` starts from the checkpoint before it."""
+        if self.pending is None:
+            return None
+        if self.accelerator.num_processes > 1:
+            step, self.pending = self.pending.step, None
+            self.accelerator.print(f"checkpoint {step} was being written when training failed; it is not "
+                                   "published (that needs every process): --resume starts from the one before")
+            return None
+        try:
+            return self.wait()
+        except Exception as e:  # reported; the loop's error is raised by the caller
+            print(f"checkpoint {self.run_dir / 'checkpoints'}: the write pending when training failed "
+                  f"({type(error).__name__}) could not be published either: {e}", file=sys.stderr)
+            return None
+
     def _finish(self) -> Path:
         pending, self.pending = self.pending, None
         pending.thread.join()
@@ -234,7 +271,8 @@ class CheckpointWriter:
                 digests.update(d)
         checkpoint.run_phase(acc, run_dir, tmp, main, checkpoint.write_manifest, tmp, pending.step, pending.state,
                              digests)
-        checkpoint.run_phase(acc, run_dir, tmp, main, checkpoint.publish, tmp, pending.final)
+        checkpoint.run_phase(acc, run_dir, tmp, main,
+                             lambda: (checkpoint.publish(tmp, pending.final), self.intact.add(pending.final)))
         checkpoint.run_phase(acc, run_dir, tmp, main, checkpoint.prune, run_dir, pending.keep, pending.keep_every,
-                             published=True)
+                             self.intact, published=True)
         return pending.final

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -28,13 +29,14 @@ from tqdm.auto import tqdm
 from musiclm_stab.config import Config, ConfigError, load_config
 from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
-from musiclm_stab.training import checkpoint
+from musiclm_stab.training import checkpoint, checkpoint_load
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED, MinLossScaleError
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
 from musiclm_stab.training.precision import FairseqFp16, make_precision
-from musiclm_stab.training.resume import check_resumable
+from musiclm_stab.training.registered import Registered
+from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
     MetricsWriter,
     check_run_dir,
@@ -117,7 +119,6 @@ class Trainer:
             self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
                 model, optimizer, loader, scheduler)
         self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
-        accelerator.register_for_checkpointing(self.clipper, self.guard, self.precision)
         # Checkpoints written by a thread after a fast CPU copy of the state (checkpoint_writer.CheckpointWriter).
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
@@ -139,10 +140,24 @@ class Trainer:
         self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
         self.global_batch_s = global_batch_crops(cfg, accelerator.num_processes) * cfg.data.crop_seconds
 
+    def registered_objects(self) -> Registered:
+        """The trainer's own stateful objects a checkpoint holds, by name: their ``state_dict()`` (plain
+        data) is stored as JSON in the checkpoint's registered.json (training/registered.py), never pickled."""
+        return [("grad_clipper", self.clipper), ("spike_guard", self.guard), ("precision", self.precision)]
+
+    @functools.cached_property
+    def data_identity(self) -> dict:
+        """What the checkpoints record of the data their position indexes, and a resume checks
+        (training/resume.py): the tokenizer's weights sha256 and the rows' fingerprint."""
+        return {"tokenizer_sha256": self.tokenizer_sha256, "data_fingerprint": data_fingerprint(self.cfg.data.path)}
+
     def load_checkpoint(self, ckpt: Path) -> int:
+        """Restore checkpoint ``ckpt`` (already verified against its hashes); returns its step. Refused
+        (ConfigError) where it cannot be resumed exactly, or holds anything but data (checkpoint_load)."""
         state = checkpoint.read_state(ckpt)
-        check_resumable(ckpt, state, self.cfg, self.accelerator.num_processes)
-        self.accelerator.load_state(str(ckpt))
+        check_resumable(ckpt, state, self.cfg, self.accelerator.num_processes, self.data_identity)
+        checkpoint_load.load(self.accelerator, ckpt, self.registered_objects())
+        self.checkpoints.intact.add(ckpt)  # pruning and a repeated save need not hash it again
         self.consumed = state["consumed_micro_batches"]
         return state["step"]
 
@@ -290,14 +305,31 @@ class Trainer:
         last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
         bar = tqdm(total=last_step, initial=self.step, desc="train", disable=not acc.is_main_process,
                    dynamic_ncols=True)
-        sums: dict[str, torch.Tensor] = {}  # metrics summed over the steps since the last row, on the device
-        interval, diag = new_interval(), {}
         self.model.train()
         stop = StopSignal()
+        try:
+            self._loop(last_step, stop, bar, writer)
+            self.checkpoints.wait()  # the last checkpoint is complete before the run ends
+        except BaseException as error:
+            self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
+            raise
+        finally:
+            bar.close()
+            stop.restore()
+        acc.end_training()
+        if acc.is_main_process:
+            print(f"done: {self.run_dir} (step {self.step}); checkpoints in {self.run_dir / 'checkpoints'}")
+        return self.run_dir
+
+    def _loop(self, last_step: int, stop: StopSignal, bar: tqdm, writer: MetricsWriter) -> None:
+        """The steps of ``run`` until ``last_step`` or a stop signal."""
+        tcfg, acc = self.cfg.train, self.accelerator
+        sums: dict[str, torch.Tensor] = {}  # metrics summed over the steps since the last row, on the device
+        interval, diag = new_interval(), {}
         while self.step < last_step:
             self.checkpoints.poll()  # publish a background checkpoint write that has finished; never waits
             if stop.requested(acc):
-                ckpt = self.save_checkpoint()
+                ckpt = self.save_checkpoint()  # the step's own checkpoint if it has one: not written again
                 self.checkpoints.wait()
                 acc.print(f"stopped by {stop.name} at step {self.step}; checkpoint {ckpt}. Resume with the same "
                           "command and --resume.")
@@ -339,19 +371,12 @@ class Trainer:
                 continue  # never checkpoint the spiked state
             if self.step % tcfg.checkpoint_every == 0 or self.step == last_step:
                 self.save_checkpoint()
-        self.checkpoints.wait()  # the last checkpoint is complete before the run ends
-        bar.close()
-        stop.restore()
-        acc.end_training()
-        if acc.is_main_process:
-            print(f"done: {self.run_dir} (step {self.step}); checkpoints in {self.run_dir / 'checkpoints'}")
-        return self.run_dir
 
     def save_checkpoint(self) -> Path:
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
-                 "config": self.cfg.to_dict(),
-                 "tokenizer_sha256": self.tokenizer_sha256}
-        return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every)
+                 "config": self.cfg.to_dict(), **self.data_identity}
+        return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every,
+                                     self.registered_objects())
 
     def metrics_row(self, sums: dict[str, torch.Tensor], interval: dict, diag: dict) -> dict:
         """One metrics.jsonl row: means over the steps since the last row, reduced across processes."""
