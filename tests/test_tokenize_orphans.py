@@ -75,10 +75,10 @@ reap()
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, make_music):
-    """12 tracks of 0.6 s, one per work unit: the workers have work for longer than the latest kill."""
+    """40 tracks of 0.6 s, one per work unit: the workers have work for longer than the latest kill."""
     src = tmp_path_factory.mktemp("orphans") / "audio"
     src.mkdir()
-    for i in range(12):
+    for i in range(40):
         sf.write(src / f"t{i:02d}.wav", make_music(0.6, seed=300 + i), SR)
     return src
 
