@@ -65,7 +65,11 @@ def main() -> None:
             f"--data.num_workers={args.workers}", f"--model.size={args.size}", f"--train.mixed_precision={mp}",
             f"--train.output_dir={runs}", "--train.name=loop", f"--train.max_steps={args.steps}",
             f"--train.log_every={args.log_every}", f"--train.checkpoint_every={ckpt_every}", "--train.trackers=[]",
-            "--train.eval_every=0", "--data.eval_fraction=0"]
+            "--train.eval_every=0", "--data.eval_fraction=0",
+            # like the synthetic step: one micro-batch per update (not the recipe's global batch), a plain
+            # schedule, and fp16 as bench_gpu.py runs it (autocast + GradScaler: train.fp16_mode=amp)
+            "--train.global_batch_crops=null", "--train.stop_at=null", "--optim.warmup_steps=null",
+            "--train.fp16_mode=amp"]
     run(cmd, env, out / "loop.log")
     rows = [json.loads(line) for line in (runs / "loop" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rates = [r["audio_s_per_s"] for r in rows if "audio_s_per_s" in r][args.skip_rows:]

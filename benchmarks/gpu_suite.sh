@@ -17,6 +17,10 @@
 #   peer.md/.json        ours vs transformers.HubertModel (our heads and loss), base batch 64, bf16/fp16, pre/post
 #   frontend.md/.json    the conv frontend alone, conv vs gemm, batch 64, bf16/fp16
 #   checkpoint.md/.json  training-loop time blocked per checkpoint, large: synchronous vs background write
+#   fp16_modes.md/.json  fp16 as fairseq computes it (half model, fp32 masters) vs amp (autocast) vs fp32:
+#                        s/step, steps/s and peak memory, base (batch 16) and large (batch 8), 5.12 s crops
+#   fp16_overflow.md     each study recipe at base size, fairseq fp16, 200 steps at 10x MERT-330M's lr
+#                        (1.5e-2): overflow steps, loss scale, skipped/diverged (study_overflow.py; tokens)
 #   tokenize.md          the tokenizer on the CPU (16 workers) and on the GPU, the same tracks and weights
 #                        (made there by make-weights from the same audio): equal codes per codebook, real-time
 #                        factor of each (bench_tokenize.py devices); skipped without .gpu_data/audio
@@ -112,10 +116,15 @@ if [ $SMOKE = 1 ]; then  # every section once, as small as it goes: that the sui
     --dtypes fp32 --repeats 1 --json "$OUT/raw/frontend.json"
   section checkpoint 300 checkpoint.md $PY benchmarks/bench_checkpoint.py "${DEV[@]}" --sizes tiny --rounds 1 \
     --dir "${TMPDIR:-/tmp}/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json"
+  section fp16_modes 300 fp16_modes.md $PY benchmarks/bench_fp16.py "${DEV[@]}" --layers 1 --batch 1 --seconds 0.5 \
+    --rounds 1 --warmup 1 --json "$OUT/raw/fp16_modes.json"
   if [ -d "$DATA" ]; then
     section loop 300 loop.md $PY benchmarks/bench_gpu_loop.py "${DEV[@]}" --data "$DATA" --config recipes/tiny.yaml \
       --size tiny --dtype fp32 --batch 1 --seconds 0.5 --workers 0 --steps 2 --log-every 1 --skip-rows 0 \
       --synthetic-steps 1 --out "$OUT/raw/loop"
+    section fp16_overflow 300 fp16_overflow.md $PY benchmarks/study_overflow.py "${DEV[@]}" --data "$DATA" \
+      --overlay recipes/overlays/tiny.yaml --steps 2 --recipes study_prenorm_attnrelax_clip1 \
+      --set data.batch_size=1 data.crop_seconds=0.5 data.eval_fraction=0 --out "${TMPDIR:-/tmp}/gpu_suite_overflow_$$"
   else
     skip loop loop.md "no tokenized dataset at $DATA"
   fi
@@ -129,7 +138,16 @@ if [ $SMOKE = 1 ]; then  # every section once, as small as it goes: that the sui
   exit 0
 fi
 
-# GPU. Order: the issue's table first (what matters most if the budget runs out), then the rest.
+# GPU. Order: fp16 as MERT computed it first (the study stands on it), then issue 17's table, then the rest.
+section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
+  --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json && $PY benchmarks/bench_fp16.py --device cuda \
+  --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json"
+if [ -d "$DATA" ]; then
+  section fp16_overflow 150 fp16_overflow.md $PY benchmarks/study_overflow.py --data "$DATA" --lr 1.5e-2 \
+    --steps 200 --out /tmp/gpu_suite_overflow
+else
+  skip fp16_overflow fp16_overflow.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one)"
+fi
 section bench_gpu 150 bench_gpu.md $PY benchmarks/bench_gpu.py --sizes base large --dtypes bf16 fp16 \
   --frontend conv gemm --steps 15 --warmup 3 --profile "$OUT/profile.txt" --json "$OUT/raw/bench_gpu.json"
 section peer 60 peer.md $PY benchmarks/bench_gpu_peer.py --size base --batch 64 --dtypes bf16 fp16 \

@@ -38,6 +38,8 @@ INIT_SCHEMES = ("mert", "xavier")
 MIXUP_MODES = ("mert", "rms")
 LOSS_UNITS = ("bits", "nats")
 MIXED_PRECISION = ("no", "fp16", "bf16")
+FP16_MODES = ("fairseq", "amp")  # train.fp16_mode: how fp16 computes (training/precision.py)
+FP16_IMPLS = ("auto", "half", "emulate")  # train.fp16_impl: real half tensors or the emulation (model/fp16_arith.py)
 CLIP_MODES = ("fixed", "zclip", "autoclip")
 # accelerate's trackers (log_with), any of which train.trackers may name when its package is installed;
 # "all": every installed one.
@@ -74,7 +76,7 @@ MODEL_SIZES = tuple(SIZE_DEFAULTS)
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, dict[str, Any]] = {
     "model": {"init": "xavier", "require_same_masks": False},
     "data": {"mixup_mode": "rms"},
-    "train": {"loss_unit": "nats"},
+    "train": {"loss_unit": "nats", "fp16_mode": "amp"},
 }
 
 
@@ -301,13 +303,31 @@ class OptimConfig:
 class TrainConfig:
     name: str = "tiny"  # run directory: <output_dir>/<name>
     output_dir: str = "runs"
-    run: int = 1  # run number, shown in legends ("Run 1"); seeds differ unless train.seed is set
+    run: int = 1  # run number, shown in legends ("Run 1") only: init and data follow train.seed
     label: str | None = None  # legend text; derived from the config when not given
     seed: int = 0
     max_steps: int = 100  # optimizer updates; the lr schedule decays to 0 here
     stop_at: int | None = None  # stop early at this step (with a checkpoint), schedule unchanged; --resume goes on
     mixed_precision: str = "no"
+    # fp16 (mixed_precision=fp16) as fairseq's --fp16 computes it, what MERT trained with (`fairseq`: weights,
+    # activations and gradients in fp16, fp32 master weights, fairseq's dynamic loss scaler below), or torch
+    # autocast with its GradScaler (`amp`: fp32 weights and residual stream; init scale 65536, growth every
+    # 2000 steps, no floor). fp16_impl: `half` (real half tensors), `emulate` (fp32 tensors rounded to fp16
+    # wherever the fp16 model holds one: any CPU, the same on every one), `auto` (half on CUDA, else emulate).
+    fp16_mode: str = "fairseq"
+    fp16_impl: str = "auto"
+    # fairseq's DynamicLossScaler (fairseq mode): start at fp16_init_scale, halve on every overflow (the update
+    # is skipped and not counted), double after fp16_scale_window clean updates since the last overflow
+    # (None: 2^14 / (processes x grad_accum), fairseq's default), stop the run below fp16_min_loss_scale.
+    # fp16_scale_tolerance: the share of overflows since the last rescale below which the scale is kept.
+    fp16_init_scale: float = 128.0
+    fp16_scale_window: int | None = None
+    fp16_scale_tolerance: float = 0.0
+    fp16_min_loss_scale: float = 1e-4
     grad_accum: int = 1
+    # Crops per optimizer update over all processes; when set, train.grad_accum is derived from it and the
+    # process count (global_batch_crops / (data.batch_size x processes), which must be whole).
+    global_batch_crops: int | None = None
     # Unit of the logged losses (metrics.jsonl, TensorBoard, evaluation): `bits` divides every loss by ln 2,
     # as fairseq logs them (the study's figures); `nats` logs them as computed. The objective is the same.
     loss_unit: str = "bits"
@@ -340,6 +360,17 @@ class TrainConfig:
 
     def validate(self) -> None:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _choice("train.fp16_mode", self.fp16_mode, FP16_MODES)
+        _choice("train.fp16_impl", self.fp16_impl, FP16_IMPLS)
+        if not 0 < self.fp16_min_loss_scale < self.fp16_init_scale:
+            raise ConfigError(f"train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale="
+                              f"{self.fp16_init_scale}, got {self.fp16_min_loss_scale}")
+        if self.fp16_scale_window is not None and self.fp16_scale_window < 1:
+            raise ConfigError(f"train.fp16_scale_window must be >= 1 (or null), got {self.fp16_scale_window}")
+        if not 0.0 <= self.fp16_scale_tolerance <= 1.0:
+            raise ConfigError(f"train.fp16_scale_tolerance must be in [0, 1], got {self.fp16_scale_tolerance}")
+        if self.global_batch_crops is not None and self.global_batch_crops < 1:
+            raise ConfigError(f"train.global_batch_crops must be >= 1 (or null), got {self.global_batch_crops}")
         _choice("train.loss_unit", self.loss_unit, LOSS_UNITS)
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")

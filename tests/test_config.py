@@ -42,6 +42,13 @@ BAD_SETTINGS = [
     ("--model.norm_type=batchnorm", "model.norm_type='batchnorm' is not valid; choose one of: layernorm, rmsnorm"),
     ("--optim.clip_mode=norm", "optim.clip_mode='norm' is not valid; choose one of: fixed, zclip, autoclip"),
     ("--train.mixed_precision=fp8", "train.mixed_precision='fp8' is not valid; choose one of: no, fp16, bf16"),
+    ("--train.fp16_mode=apex", "train.fp16_mode='apex' is not valid; choose one of: fairseq, amp"),
+    ("--train.fp16_impl=bf16", "train.fp16_impl='bf16' is not valid; choose one of: auto, half, emulate"),
+    ("--train.fp16_min_loss_scale=0", "train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale=128.0, "
+                                      "got 0.0"),
+    ("--train.fp16_scale_window=0", "train.fp16_scale_window must be >= 1 (or null), got 0"),
+    ("--train.fp16_scale_tolerance=2", "train.fp16_scale_tolerance must be in [0, 1], got 2.0"),
+    ("--train.global_batch_crops=0", "train.global_batch_crops must be >= 1 (or null), got 0"),
     ("--model.attention=relax --model.qk_norm=true",
      "model.attention=relax cannot be combined with model.qk_norm=true"),
     ("--model.num_heads=3", "model.width=128 must be divisible by model.num_heads=3"),

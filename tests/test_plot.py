@@ -12,9 +12,10 @@ import yaml
 from matplotlib.colors import same_color
 
 from musiclm_stab import cli
-from musiclm_stab.analysis.curves import ema, seed_curve
+from musiclm_stab.analysis.curves import ema, seed_curve, window_means
 from musiclm_stab.analysis.plot import (
     BAND_LABEL,
+    OUTSIDE_LABEL,
     ROLLBACK_LABEL,
     SKIPPED_LABEL,
     PlotWarning,
@@ -521,7 +522,7 @@ def test_seed_bands_one_line_per_configuration_with_min_max_band(tmp_path):
     ax = fig.axes[0]
     lines = run_lines(ax)
     assert [line.get_label() for line in lines] == STUDY_LABELS[:2]
-    assert legend_texts(ax) == [*STUDY_LABELS[:2], BAND_LABEL.format(3)]
+    assert legend_texts(ax) == [*STUDY_LABELS[:2], BAND_LABEL.format(3, " (EMA 0.5)")]
     runs = [read_run(d) for d in dirs[:3]]  # the first configuration's three seeds
     curves = [ema(r.metric("loss")[1], 0.5) for r in runs]
     np.testing.assert_allclose(lines[0].get_ydata(), np.mean(curves, axis=0))
@@ -577,3 +578,78 @@ def test_cli_plot_bands_and_extra(tmp_path, capsys):
     assert sorted(p.stem for p in out.glob("*.svg")) == sorted(
         ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0", "acoustic_mlm_loss_codebooks",
          "grad_norm_log", "max_attn_logit", "max_attn_logit_layers", "eval"])
+
+
+def test_window_means_are_fairseqs_log_rows():
+    """window_means: the mean over each window of N steps, placed at its last logged step (fairseq's rows)."""
+    steps = np.arange(1, 11)
+    at, means = window_means(steps, steps.astype(float), 4)
+    assert at.tolist() == [4, 8, 10] and means.tolist() == [2.5, 6.5, 9.5]
+    at, means = window_means(np.array([2, 4, 6, 8]), np.array([1.0, 3.0, 5.0, 7.0]), 4)
+    assert at.tolist() == [4, 8] and means.tolist() == [2.0, 6.0]
+
+
+def test_one_outlier_is_marked_not_scaling_the_axis(tmp_path):
+    """A loss near 0.1 with one logged value of 2000: the y axis stays on the curve (its descent from 1.5
+    included) and the outlier is a triangle at the top edge; without it nothing is marked."""
+    rows = synthetic_rows(10_000, 100, seed=1)
+    rows[60]["loss"] = 2000.0
+    spiky = write_run(tmp_path, "spiky", make_config(), rows)
+    ax = make_figures([spiky])["loss"].axes[0]
+    lo, hi = ax.get_ylim()
+    assert 1.5 < hi < 3.0 and lo < 0.1
+    marks = [line for line in ax.get_lines() if line.get_gid() == "outside:^"]
+    assert len(marks) == 1 and marks[0].get_xdata().tolist() == [6000]
+    assert OUTSIDE_LABEL in legend_texts(ax)
+    calm = write_run(tmp_path, "calm", make_config(), synthetic_rows(10_000, 100, seed=1))
+    ax = make_figures([calm])["loss"].axes[0]
+    assert not [line for line in ax.get_lines() if (line.get_gid() or "").startswith("outside")]
+
+
+def test_loss_scale_and_evaluation_figures_say_what_they_draw(tmp_path):
+    """--extra with fp16 rows draws loss_scale.png on a log axis; the held-out curves are drawn as evaluated
+    (no window means, no EMA) and their band says so."""
+    dirs = []
+    for seed in range(2):
+        rows = synthetic_rows(1000, 10, seed=seed)
+        for r in rows:
+            r["loss_scale"] = 128.0 / (1 + r["step"] // 500)
+            if r["step"] % 100 == 0:
+                r["eval/acoustic_mlm_loss/cb0"] = 9.0 - r["step"] / 1000
+        dirs.append(write_run(tmp_path, f"s{seed}", make_config(**{"train.seed": seed}), rows))
+    figs = make_figures(dirs, bands=True, extra=True, window=5, smooth=0.5)
+    assert figs["loss_scale"].axes[0].get_yscale() == "log"
+    eval_ax = figs["eval"].axes[0]  # one panel: the runs logged only the codebook-0 held-out loss
+    assert eval_ax.get_ylabel().startswith("Held-out Acoustic MLM Loss on Codebook-0")
+    assert [t for t in legend_texts(eval_ax) if t.startswith("Band")] == [BAND_LABEL.format(2, "")]
+    loss_band = [t for t in legend_texts(figs["loss"].axes[0]) if t.startswith("Band")]
+    assert loss_band == [BAND_LABEL.format(2, " (means over 5 steps, EMA 0.5)")]
+
+
+def test_lr_figure_lines_bands_unigram_and_diverged_marks(tmp_path):
+    """lr_sensitivity.png: one line per configuration over the lrs (mean of the seeds' last held-out
+    codebook-0 loss, min-max band), the unigram level dashed, a diverged seed an x at the top and not in
+    the mean."""
+    from musiclm_stab.analysis.lr_figure import DIVERGED_LABEL, lr_figure, lr_table
+
+    dirs = []
+    for lr, finals in ((1e-3, (9.0, 9.2)), (1e-2, (8.5, 8.7)), (1e-1, (9.9, None))):
+        for seed, final in enumerate(finals):
+            rows = synthetic_rows(100, 10, seed=seed)
+            rows[-1]["eval/acoustic_mlm_loss/cb0"] = final if final is not None else 9.0
+            extra = ([json.dumps({"step": 100, "event": "min_loss_scale", "loss_scale": 1.0})]
+                     if final is None else [])
+            dirs.append(write_run(tmp_path, f"lr{lr}_s{seed}", make_config(**{"optim.lr": lr, "train.seed": seed}),
+                                  rows, extra))
+    runs = [read_run(d) for d in dirs]
+    table = lr_table(runs)
+    (label,) = table
+    assert {lr: [round(v, 3) if math.isfinite(v) else None for v in vals] for lr, vals in table[label].items()} == {
+        1e-3: [9.0, 9.2], 1e-2: [8.5, 8.7], 1e-1: [9.9, None]}
+    ax = lr_figure(runs, unigram_eval_cb0=9.5).axes[0]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    assert line.get_xdata().tolist() == [1e-3, 1e-2, 1e-1]
+    assert [round(y, 3) for y in line.get_ydata()] == [9.1, 8.6, 9.9]
+    assert [ln.get_xdata().tolist() for ln in ax.get_lines() if (ln.get_gid() or "").startswith("diverged")] == [[0.1]]
+    texts = legend_texts(ax)
+    assert "Unigram level (held-out): 9.50 bits" in texts and DIVERGED_LABEL in texts and ax.get_xscale() == "log"

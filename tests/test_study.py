@@ -50,7 +50,7 @@ def test_full_print_only_lines_are_the_recipes(tmp_path, capsys):
         assert argv[:2] == ["accelerate", "launch"] and argv[2].endswith("recipes/pretrain.py")
         assert argv[3] == "--config" and Path(argv[4]).name == f"{stem}.yaml"
         cfg = load_config(argv[4], argv[5:])  # exactly what recipes/pretrain.py would parse
-        assert (cfg.model.size, cfg.train.mixed_precision, cfg.train.max_steps) == ("large", "fp16", 100_000)
+        assert (cfg.model.size, cfg.train.mixed_precision, cfg.train.stop_at) == ("large", "fp16", 100_000)
         assert (cfg.train.name, cfg.train.output_dir, cfg.data.path) == (stem, str(runs), "/data/tokens")
         assert run_label(cfg.to_dict()) == label
     plot = shlex.split(lines[4])

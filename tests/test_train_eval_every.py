@@ -50,10 +50,12 @@ def test_eval_rows_leave_training_bit_identical(tokenized_dataset, tmp_path):
     assert all(math.isfinite(b[-1][k]) for k in names)
 
 
-def test_eval_row_equals_musiclm_stab_evaluate_of_that_checkpoint(tokenized_dataset, tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--train.mixed_precision=fp16"]], ids=["fp32", "fp16"])
+def test_eval_row_equals_musiclm_stab_evaluate_of_that_checkpoint(tokenized_dataset, tmp_path, precision):
     """The eval/* values logged at step 2 are exactly those `musiclm-stab evaluate` gives for checkpoint
-    step_2 (same crops, masks, batches and loop)."""
-    run = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "r", "--train.eval_every=2", "--train.max_steps=2")).run()
+    step_2 (same crops, masks, batches and loop; for a fairseq-fp16 run, the same emulated fp16 arithmetic)."""
+    run = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "r", "--train.eval_every=2", "--train.max_steps=2",
+                           *precision)).run()
     logged = rows(run)[-1]
     result = evaluate(run / "checkpoints" / "step_00000002", write=False)
     assert {k: v for k, v in result.items() if k.startswith("eval/")} == {

@@ -1,4 +1,5 @@
 """Reading runs: run directories and their metrics (runs.py), the study's figures (plot.py lays them out,
 curves.py draws the lines and seed bands, style.py the study's look), the claims (claim_stats.py the
-statistics, claims.py the table), held-out evaluation per codebook (evaluate.py), linear probes
+per-run statistics, decide.py the exact tests and verdicts, claims.py the claims table, lr_grid.py the
+learning-rate grid and "learns"), held-out evaluation per codebook (evaluate.py), linear probes
 (probe.py, probe_data.py, probe_fit.py, probe_figure.py)."""

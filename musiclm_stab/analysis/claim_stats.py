@@ -1,209 +1,334 @@
-"""The statistics of the study's claims, one run at a time, and the paired test over seeds that turns
-them into verdicts (analysis/claims.py assembles the table).
+"""The study's statistics of one run, fixed before the runs were read (analysis/claims.py pairs them).
 
-Runs are sorted into the four configurations by their config (norm scheme, attention form, clip value)
-and paired by ``train.seed``: in the study the runs of one seed share the data order (``data.order_seed``
-unset, so it is ``train.seed``), so a paired difference between two configurations at one seed is not
-moved by which batches came when. With W = the warmup steps and T = the run's steps (each run's config),
-losses in bits, every statistic from each run's ``metrics.jsonl`` (as ``musiclm-stab plot`` reads it):
+Which run is which. ``role_of(config)``: ``clip10`` = Pre-Norm, standard attention (not relax), no QK-Norm,
+fixed clipping at 10; ``clip1`` the same clipped at 1; ``deepnorm`` = norm_scheme deepnorm, standard
+attention, no QK-Norm, clip 1; ``relax`` = Pre-Norm with attention relax, clip 1; ``qknorm`` = Pre-Norm,
+standard attention, QK-Norm, clip 1 (the positive control, run at the top learning rates only). Any
+other config (adaptive clipping, other clip values or schemes) has no role. A run's block is
+``(optim.lr, train.seed)``; the runs of one block share the data order (``data.order_seed`` unset is
+``train.seed``), so differences within a block are paired. W = ``optim.warmup_steps``.
 
-  early(c, s)   mean training loss over steps 1..2W (warmup and as long again: the study's "early")
-  gnorm(c, s)   median gradient norm (before clipping) over the steps after W
-  events(c, s)  loss-spike events: steps t > 20 with loss_t > K_SPIKE x the median of the 20 logged
-                steps before t (runs of consecutive such steps are one event); recovered when within
-                max(20, T/10) steps the loss is back below 1.1 x that median
+Every statistic reads the logged rows of ``metrics.jsonl`` (window means as the trainer logged them),
+losses in bits. A *logged value* is one row's value; a row whose value was not finite is kept as such.
 
-A paired statistic d_s (one per seed, oriented so that d_s > 0 is what the claim says) is a ``Paired``:
-its t = mean(d) / (sd(d) / sqrt(n)) and its verdict by the rule in analysis/claims.py.
+- early loss: the mean training loss over the logged steps 1..2W; +inf when the run diverged (a
+  ``min_loss_scale`` event) at or before step 2W, so a run that diverged early is the worst.
+- median gradient norm: the median of the finite logged (pre-clip) ``grad_norm`` over the whole run;
+  peak ratio: their maximum / that median (a scale-free spikiness).
+- early clip share: the mean of ``grad_clipped`` (share of a row's steps that were clipped) over 1..2W.
+- spike events, the progress-lost rule. L0 = the first logged value. For each logged step from the
+  second on, level = the minimum of the logged values before it and progress = L0 - level. A step
+  *spikes* when progress >= DELTA_MIN x L0 (there is real progress to lose: no spike can be judged
+  before it) and (value - level) / progress >= LOST (half the progress is lost). A non-finite value is
+  a spiking step too. Consecutive spiking steps form one event. An event is *recovered* when, within
+  max(RECOVER_ROWS, n // 10) logged steps (n = the run's logged steps of the metric) after its last
+  step, a logged value is <= level + RECOVERED x progress, level and progress taken at the event's first
+  step; an event with a non-finite value never is. A divergence is an unrecovered event at its step
+  (the event the run ended in, when its last logged step was spiking).
+- instability: spike events of the training loss + fp16 overflow steps (``overflow_step`` counts) +
+  skipped steps (``skipped_step`` counts) + 1 if the run diverged; the parts are kept.
+- diverged: a ``min_loss_scale`` event, or the mean of the finite training losses of the last 10% of
+  the logged steps is above L0, or none of them is finite.
+- final held-out codebook-0 CE: the last logged ``eval/acoustic_mlm_loss/cb0`` (NaN without one, or when
+  the run diverged); initial: the first logged one (the cap of the LR sensitivity).
+- max attention logit: the largest logged ``diag/max_attn_logit/layer{i}`` over layers and steps.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from musiclm_stab.analysis.runs import RunMetrics
+from musiclm_stab.config import OptimConfig
 
-# The four configurations, in the study's legend order, with the short names of the table's columns.
+# The four configurations of the claims, in the study's legend order, and the positive control.
 ROLES = ("clip10", "clip1", "deepnorm", "relax")
+CONTROL = "qknorm"
 ROLE_TITLES = {
     "clip10": "Pre-Norm, clip 10",
     "clip1": "Pre-Norm, clip 1",
     "deepnorm": "Post-Norm DeepNorm, clip 1",
     "relax": "Pre-Norm Attn. Relax, clip 1",
+    "qknorm": "Pre-Norm QK-Norm, clip 1",
 }
-K_SPIKE = 1.5  # the study's codebook-0 spike is 9.2 / 5.8 = 1.59x its level: a spike of that size counts
-SPIKE_WINDOW = 20  # logged steps of the running median
-RECOVER_FACTOR = 1.1
-# One-sided 5% points of Student's t by degrees of freedom (n seeds - 1).
-T_CRIT = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+DELTA_MIN = 0.02  # progress (share of L0) before a spike can be judged
+LOST = 0.5  # share of the progress a spiking step has lost
+RECOVERED = 0.1  # back within this share of the progress above the level: recovered
+RECOVER_ROWS = 20  # the recovery window is at least this many logged steps (or 10% of them)
+EVAL_CB0 = "eval/acoustic_mlm_loss/cb0"
+ATTN_LOGIT = "diag/max_attn_logit/layer"
 
 
 def role_of(cfg: dict) -> str | None:
-    """Which of the study's four configurations a run's config is (None: none of them)."""
+    """Which of the study's roles a run's config is: one of ROLES, CONTROL, or None (none of them)."""
     model, optim = cfg.get("model") or {}, cfg.get("optim") or {}
-    scheme, attention = model.get("norm_scheme", "pre"), model.get("attention", "sdpa")
-    clip = float(optim.get("clip_grad", 10.0))
-    if model.get("qk_norm") or optim.get("clip_mode", "fixed") != "fixed":
+    scheme, relax = model.get("norm_scheme", "pre"), model.get("attention", "sdpa") == "relax"
+    clip, qk = float(optim.get("clip_grad", 10.0)), bool(model.get("qk_norm", False))
+    if optim.get("clip_mode", "fixed") != "fixed":
         return None
-    if scheme == "deepnorm" and attention != "relax" and clip == 1.0:
-        return "deepnorm"
-    if scheme == "pre" and attention == "relax" and clip == 1.0:
-        return "relax"
-    if scheme == "pre" and attention != "relax":
+    if scheme == "pre" and not relax and not qk:
         return {10.0: "clip10", 1.0: "clip1"}.get(clip)
+    if clip != 1.0:
+        return None
+    if scheme == "deepnorm" and not relax and not qk:
+        return "deepnorm"
+    if scheme == "pre" and relax and not qk:
+        return "relax"
+    if scheme == "pre" and not relax and qk:
+        return CONTROL
     return None
 
 
-def run_seed(cfg: dict) -> int:
-    return int((cfg.get("train") or {}).get("seed", 0))
+def block_of(cfg: dict) -> tuple[float, int]:
+    """(learning rate, seed): the runs of one block are paired."""
+    optim, train = cfg.get("optim") or {}, cfg.get("train") or {}
+    return float(optim.get("lr", OptimConfig().lr)), int(train.get("seed", 0))
 
 
-def run_steps(cfg: dict) -> tuple[int, int]:
-    """(W, T): warmup steps and max steps of a run, from its saved (resolved) config."""
+def warmup_steps(cfg: dict) -> int:
+    """W from a run's saved config (warmup_share x max_steps in a config saved before it was resolved)."""
     train, optim = cfg.get("train") or {}, cfg.get("optim") or {}
-    total = int(train.get("max_steps", 100))
     warmup = optim.get("warmup_steps")
-    if warmup is None:  # a config saved before warmup was resolved into it
-        warmup = int(round(float(optim.get("warmup_share", 0.08)) * total))
-    return int(warmup), total
+    if warmup is None:
+        warmup = round(float(optim.get("warmup_share", 0.08)) * int(train.get("max_steps", 100)))
+    return int(warmup)
+
+
+def precision_of(cfg: dict) -> str:
+    """``no``, ``bf16``, or ``fp16 (fairseq)`` / ``fp16 (amp)`` (older configs lack train.fp16_mode)."""
+    train = cfg.get("train") or {}
+    precision = str(train.get("mixed_precision", "no"))
+    mode = train.get("fp16_mode")
+    return f"{precision} ({mode})" if precision == "fp16" and mode else precision
 
 
 # ---------------------------------------------------------------------------------------------------
 # Per-run statistics
 
 
-def early_loss(run: RunMetrics, metric: str = "loss") -> float:
-    """Mean of ``metric`` over steps 1..2W (NaN when the run logged none there)."""
-    warmup, _ = run_steps(run.config)
+def logged(run: RunMetrics, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of every logged row of ``metric``, NaN where it was logged non-finite."""
     series = run.metric(metric)
-    if series is None:
-        return math.nan
-    steps, values = series
-    sel = (steps >= 1) & (steps <= max(1, 2 * warmup))
-    return float(values[sel].mean()) if sel.any() else math.nan
+    steps, values = series if series is not None else (np.zeros(0, np.int64), np.zeros(0))
+    bad = run.nonfinite.get(metric)
+    if bad is None or not len(bad):
+        return steps, values
+    all_steps = np.concatenate([steps, bad])
+    order = np.argsort(all_steps, kind="stable")
+    return all_steps[order], np.concatenate([values, np.full(len(bad), np.nan)])[order]
 
 
-def median_grad_norm(run: RunMetrics, after_warmup: bool = True) -> float:
-    """Median gradient norm over the steps after W (``after_warmup``) or up to W."""
-    warmup, _ = run_steps(run.config)
+def early_loss(run: RunMetrics, metric: str = "loss") -> float:
+    """Mean of the finite logged ``metric`` over steps 1..2W; +inf when the run diverged by 2W."""
+    horizon = max(1, 2 * warmup_steps(run.config))
+    if run.diverged_at is not None and run.diverged_at <= horizon:
+        return math.inf
+    steps, values = logged(run, metric)
+    window = values[(steps >= 1) & (steps <= horizon)]
+    window = window[np.isfinite(window)]
+    return float(window.mean()) if len(window) else math.nan
+
+
+def median_grad_norm(run: RunMetrics) -> float:
+    """Median of the finite logged gradient norms (before clipping), over the whole run."""
+    series = run.metric("grad_norm")
+    return float(np.median(series[1])) if series is not None else math.nan
+
+
+def peak_ratio(run: RunMetrics) -> float:
+    """Largest / median finite logged gradient norm (NaN without norms, or with a median of 0)."""
     series = run.metric("grad_norm")
     if series is None:
         return math.nan
-    steps, values = series
-    sel = steps > warmup if after_warmup else steps <= warmup
-    return float(np.median(values[sel])) if sel.any() else math.nan
+    mid = float(np.median(series[1]))
+    return float(series[1].max()) / mid if mid > 0 else math.nan
 
 
-def peak_grad_norm(run: RunMetrics) -> tuple[float, int | None]:
-    """(largest gradient norm after step W/2, its step): the study's peaks sit around the end of warmup."""
-    warmup, _ = run_steps(run.config)
-    series = run.metric("grad_norm")
+def clip_share_early(run: RunMetrics) -> float:
+    """Mean logged share of clipped steps over steps 1..2W."""
+    series = run.metric("grad_clipped")
     if series is None:
-        return math.nan, None
+        return math.nan
     steps, values = series
-    sel = steps > warmup // 2
-    if not sel.any():
-        return math.nan, None
-    i = int(np.argmax(values[sel]))
-    return float(values[sel][i]), int(steps[sel][i])
+    window = values[(steps >= 1) & (steps <= max(1, 2 * warmup_steps(run.config)))]
+    return float(window.mean()) if len(window) else math.nan
 
 
 @dataclass
 class SpikeEvent:
-    step: int  # first step above the threshold
-    peak: float  # largest value in the event
-    ratio: float  # peak / running median before it
-    recovered_at: int | None  # first step back below RECOVER_FACTOR x the median, None if not within reach
+    step: int  # first spiking step
+    peak: float  # largest value in the event (inf: a non-finite value or the divergence)
+    lost: float  # (peak - level) / progress at the peak's step
+    recovered_at: int | None  # first step back within RECOVERED x progress of the level; None: not in reach
+    level: float = math.nan  # at the first step
+    progress: float = math.nan
 
 
-def spike_events(run: RunMetrics, metric: str = "loss", k: float = K_SPIKE) -> list[SpikeEvent]:
-    """Loss-spike events of ``metric`` (see the module docstring)."""
-    _, total = run_steps(run.config)
-    series = run.metric(metric)
-    if series is None:
-        return []
-    steps, values = series
-    reach = max(SPIKE_WINDOW, total // 10)
+def spike_events(run: RunMetrics, metric: str = "loss") -> list[SpikeEvent]:
+    """The spike events of ``metric`` by the progress-lost rule (module docstring)."""
+    steps, v = logged(run, metric)
     events: list[SpikeEvent] = []
-    i = SPIKE_WINDOW
-    while i < len(values):
-        base = float(np.median(values[i - SPIKE_WINDOW:i]))
-        if values[i] > k * base:
-            j = i
-            while j + 1 < len(values) and values[j + 1] > k * base:
-                j += 1
-            peak = float(values[i:j + 1].max())
-            back = np.nonzero((values[j + 1:] < RECOVER_FACTOR * base) & (steps[j + 1:] <= steps[j] + reach))[0]
-            recovered = int(steps[j + 1 + back[0]]) if len(back) else None
-            events.append(SpikeEvent(int(steps[i]), peak, peak / base, recovered))
-            i = j + 1 + SPIKE_WINDOW  # the next event is judged against a window after this one
-        else:
-            i += 1
+    finite = np.isfinite(v)
+    ends_spiking = False  # the last logged step spikes: a divergence there is that event
+    if len(v):
+        start = v[finite][0] if finite.any() else math.nan
+        level = np.empty(len(v))
+        level[0] = math.nan
+        level[1:] = np.fmin.accumulate(v)[:-1]  # running minimum of the values before; fmin skips NaN
+        progress = start - level
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lost = (v - level) / progress
+            spiking = (progress >= DELTA_MIN * start) & (lost >= LOST)
+        spiking |= ~finite
+        ends_spiking = bool(spiking[-1])
+        edges = np.diff(np.concatenate([[0], spiking.astype(np.int8), [0]]))
+        reach = max(RECOVER_ROWS, len(v) // 10)
+        for i, j in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1):
+            window = v[i:j + 1]
+            recovered_at = None
+            if np.isfinite(window).all():
+                k = i + int(np.argmax(window))
+                after = v[j + 1:j + 1 + reach] <= level[i] + RECOVERED * progress[i]
+                if after.any():
+                    recovered_at = int(steps[j + 1 + int(np.argmax(after))])
+                events.append(SpikeEvent(int(steps[i]), float(v[k]), float(lost[k]), recovered_at,
+                                         float(level[i]), float(progress[i])))
+            else:
+                events.append(SpikeEvent(int(steps[i]), math.inf, math.inf, None, float(level[i]),
+                                         float(progress[i])))
+    if run.diverged_at is not None and not ends_spiking:
+        events.append(SpikeEvent(int(run.diverged_at), math.inf, math.inf, None))
     return events
 
 
-def final_eval(run: RunMetrics, metric: str = "eval/loss") -> float:
-    """The last held-out value of ``metric`` (NaN without train.eval_every)."""
+def diverged(run: RunMetrics) -> bool:
+    """A min_loss_scale event, or the last 10% of the logged training losses above L0 or not finite."""
+    if run.diverged_at is not None:
+        return True
+    _, v = logged(run, "loss")
+    finite = v[np.isfinite(v)]
+    if not len(finite):
+        return True
+    tail = v[-max(1, len(v) // 10):]
+    tail = tail[np.isfinite(tail)]
+    return not len(tail) or float(tail.mean()) > float(finite[0])
+
+
+def _count(run: RunMetrics, metric: str) -> int:
     series = run.metric(metric)
-    return float(series[1][-1]) if series is not None else math.nan
-
-
-def probe_score(run: RunMetrics) -> float:
-    """Best-layer pitch mAP of the run's linear probes (``musiclm-stab probe``), NaN when not probed.
-
-    The probe column: reads RUN/probe/probe.json when the run has been probed.
-    """
-    from musiclm_stab.analysis.probe import best_layer, read_probe  # here: the probe stack is heavier
-
-    path = Path(run.path) / "probe" / "probe.json"
-    if not path.is_file():
-        return math.nan
-    score, _ = best_layer(read_probe(run.path), task="pitch", features="model")
-    return float(score)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Paired tests and verdicts
+    return int(round(float(series[1].sum()))) if series is not None else 0
 
 
 @dataclass
-class Paired:
-    """A paired statistic: one difference per seed, oriented so that > 0 is what the claim says."""
-
-    diffs: dict[int, float]  # seed -> d_s
-
-    @property
-    def values(self) -> np.ndarray:
-        return np.array([v for v in self.diffs.values() if math.isfinite(v)])
+class Instability:
+    spikes: int  # spike events of the training loss
+    overflow_steps: int  # fp16 overflow iterations
+    skipped_steps: int  # updates skipped for a non-finite gradient
+    diverged: bool
 
     @property
-    def t(self) -> float:
-        d = self.values
-        if len(d) < 2:
-            return math.nan
-        sd = float(d.std(ddof=1))
-        if sd == 0.0:
-            return math.copysign(math.inf, float(d.mean())) if d.mean() else math.nan
-        return float(d.mean()) / (sd / math.sqrt(len(d)))
+    def total(self) -> int:
+        return self.spikes + self.overflow_steps + self.skipped_steps + int(self.diverged)
 
-    def verdict(self) -> str:
-        d = self.values
-        crit = T_CRIT.get(len(d) - 1, 1.8)
-        if len(d) < 2:
-            return "inconclusive"
-        if (d > 0).all() and self.t >= crit:
-            return "reproduced"
-        if (d < 0).all() and self.t <= -crit:
-            return "refuted"
-        return "inconclusive"
 
-    def text(self, fmt: str = "{:+.3g}") -> str:
-        d = self.values
-        if not len(d):
-            return "n/a"
-        per_seed = ", ".join(fmt.format(v) for v in d)
-        return f"mean {fmt.format(float(d.mean()))} (seeds: {per_seed}; t = {self.t:.2f}, n = {len(d)})"
+def instability(run: RunMetrics) -> Instability:
+    """Spike events + overflow steps + skipped steps + (1 if diverged), with the parts."""
+    return Instability(len(spike_events(run)), _count(run, "overflow_step"), _count(run, "skipped_step"),
+                       diverged(run))
+
+
+def final_eval_cb0(run: RunMetrics) -> float:
+    """The last logged held-out codebook-0 CE (NaN without one, or when the run diverged)."""
+    series = run.metric(EVAL_CB0)
+    return float(series[1][-1]) if series is not None and not diverged(run) else math.nan
+
+
+def initial_eval_cb0(run: RunMetrics) -> float:
+    """The first logged held-out codebook-0 CE (NaN without one)."""
+    series = run.metric(EVAL_CB0)
+    return float(series[1][0]) if series is not None else math.nan
+
+
+def max_attn_logit(run: RunMetrics) -> float:
+    """The largest logged attention logit over layers and steps (NaN without diagnostics)."""
+    values = [float(v.max()) for k, (_, v) in run.series.items() if k.startswith(ATTN_LOGIT) and len(v)]
+    return max(values) if values else math.nan
+
+
+def probe_score(run: RunMetrics | str | Path) -> float:
+    """Best-layer pitch mAP of the run's linear probes (``musiclm-stab probe``), NaN when not probed."""
+    paired = probe_vs_random_init(run)
+    return paired["map"] if paired is not None else math.nan
+
+
+def probe_vs_random_init(run: RunMetrics | str | Path) -> dict | None:
+    """The pitch probe of a run at its best layer: {"map", "layer", "diff", "ci95"} (diff and its
+    track-bootstrap 95% interval: the model minus its random init, NaN when not probed against it);
+    None when the run has no RUN/probe/probe.json."""
+    from musiclm_stab.analysis.probe import read_probe, summary  # here: the probe stack is heavier
+
+    path = Path(run.path if isinstance(run, RunMetrics) else run)
+    if not (path / "probe" / "probe.json").is_file():
+        return None
+    pitch = summary(read_probe(path))["pitch"]
+    paired = pitch.get("vs_random_init") or {}
+    ci = paired.get("ci95") or [math.nan, math.nan]
+    return {"map": float(pitch["model"]), "layer": int(pitch["model_layer"]),
+            "diff": float(paired.get("diff", math.nan)), "ci95": [float(ci[0]), float(ci[1])]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Everything the analysis needs of one run, computed once
+
+
+@dataclass
+class RunStats:
+    path: str
+    role: str | None
+    lr: float
+    seed: int
+    precision: str
+    early_loss: float
+    median_grad_norm: float
+    peak_ratio: float
+    clip_share_early: float
+    spikes: list[SpikeEvent] = field(default_factory=list)
+    instability: Instability = field(default_factory=lambda: Instability(0, 0, 0, False))
+    final_eval_cb0: float = math.nan
+    initial_eval_cb0: float = math.nan
+    max_attn_logit: float = math.nan
+
+    @property
+    def diverged(self) -> bool:
+        return self.instability.diverged
+
+    @property
+    def has_recovered_spike(self) -> bool:
+        return any(e.recovered_at is not None for e in self.spikes)
+
+
+def run_stats(run: RunMetrics) -> RunStats:
+    """Every per-run statistic of ``run`` (losses read in bits: ``run.in_unit("bits")``)."""
+    run = run.in_unit("bits")
+    cfg = run.config
+    try:
+        lr, seed = block_of(cfg)
+        warmup_steps(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{Path(run.path) / 'config.yaml'}: optim.lr, train.seed and optim.warmup_steps must "
+                         f"be numbers ({e})") from None
+    spikes = spike_events(run)
+    gone = diverged(run)
+    unstable = Instability(len(spikes), _count(run, "overflow_step"), _count(run, "skipped_step"), gone)
+    evals = run.metric(EVAL_CB0)
+    return RunStats(
+        path=str(run.path), role=role_of(cfg), lr=lr, seed=seed, precision=precision_of(cfg),
+        early_loss=early_loss(run), median_grad_norm=median_grad_norm(run), peak_ratio=peak_ratio(run),
+        clip_share_early=clip_share_early(run), spikes=spikes, instability=unstable,
+        final_eval_cb0=float(evals[1][-1]) if evals is not None and not gone else math.nan,
+        initial_eval_cb0=float(evals[1][0]) if evals is not None else math.nan,
+        max_attn_logit=max_attn_logit(run))

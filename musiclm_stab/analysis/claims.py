@@ -1,31 +1,45 @@
-"""The study's four claims, tested on run directories: a statistic per claim, fixed before looking.
+"""The study's four claims, tested on its run directories by a rule fixed before the runs were read.
 
-    python -m musiclm_stab.analysis.claims RUN_DIR [RUN_DIR ...] --out DIR   # claims.md + claims.json
+    python -m musiclm_stab.analysis.claims RUN_DIR_OR_FOLDER ... --out DIR [--doc MD] [--unigram BITS]
 
-The claims (read from the study's figures; docs/STUDY.md, "The claims and their statistics"):
+Runs are sorted into roles and blocks (lr, seed) and measured by analysis/claim_stats.py; a block is
+*complete* when each of the four configurations has exactly one run in it, and only complete blocks are
+used (the others are listed; two runs of one role in a block are an error). Each claim is made of parts,
+paired comparisons over blocks oriented so that > 0 is what the claim says (analysis/decide.py tests
+them exactly, combines them and decides over the family with Holm at 0.05):
 
-  (a) Pre-Norm with clip 10 converges faster early than with clip 1.
-  (b) Post-Norm with DeepNorm keeps the lowest gradient norm throughout.
-  (c) Post-Norm/DeepNorm shows a transient loss spike and recovers.
-  (d) Pre-Norm with attention relax converges more slowly, but steadily.
+  (a) Pre-Norm with clip 10 converges faster early than with clip 1. Part: early loss(clip 1) - early
+      loss(clip 10), Wilcoxon, over the blocks where clip 1 clipped at least CLIP_SHARE_MIN = 20% of the
+      early steps. Precondition: at least MIN_BLOCKS = 6 such blocks (the fewest with which an exact
+      two-sided Wilcoxon can reach p < 0.05); else the two clip values train alike: not testable.
+  (b) Post-Norm with DeepNorm keeps the lowest gradient norm throughout. Six parts, Wilcoxon, all blocks,
+      for each c of clip 10, clip 1, relax: ln median grad norm(c) - ln median grad norm(DeepNorm), and
+      ln peak ratio(c) - ln peak ratio(DeepNorm) (DeepNorm below each other one, by level and by shape).
+  (c) Post-Norm/DeepNorm shows a transient loss spike and recovers. Per run: has a recovered spike event
+      of the training loss. Three parts, McNemar over all blocks, DeepNorm against each c of clip 10,
+      clip 1, relax (positive: DeepNorm has one more often). Precondition: some run of the four
+      configurations has a recovered spike; else not testable (no transient spike at this scale).
+  (d) Pre-Norm with Attn. Relax converges more slowly, but steadily. Parts, Wilcoxon: slower, early
+      loss(relax) - early loss(clip 1) over all blocks; steady, instability(clip 1) - instability(relax)
+      over the blocks at the two highest learning rates. Precondition of the steady part: clip 1 shows
+      some instability there; without it (d) can be refuted by the slower part but not reproduced
+      (it stays in the family as refute-only; not refuted: not testable at this scale).
 
-Runs are sorted into configurations, paired by seed and measured by analysis/claim_stats.py (the
-statistics' definitions are there).
-
-Verdicts, the same rule for every paired statistic d_s (oriented so that d_s > 0 is what the claim says):
-with n seeds, t = mean(d) / (sd(d) / sqrt(n)); **reproduced** when every d_s > 0 and t >= T_CRIT (the
-one-sided 5% point of Student's t with n - 1 degrees of freedom; 2.92 for 3 seeds), **refuted** when
-every d_s < 0 and t <= -T_CRIT (the opposite holds), else **inconclusive**. Spike counts are not
-averaged: (c) is reproduced when DeepNorm has a recovered spike event at every seed and more events than
-every other configuration at that seed, refuted when DeepNorm has no event at any seed.
+Positive control (not a claim, not in the family): at the complete blocks where the QK-Norm run exists,
+McNemar of diverged(clip 1) vs diverged(QK-Norm) and Wilcoxon of max attention logit(clip 1) - that of
+QK-Norm, both oriented so that > 0 is what QK-Norm should prevent. The learning-rate grid, LR sensitivity
+and "learns" are analysis/lr_grid.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,258 +47,289 @@ from pathlib import Path
 import numpy as np
 
 from musiclm_stab.analysis.claim_stats import (
-    K_SPIKE,
+    CONTROL,
     ROLE_TITLES,
     ROLES,
-    SPIKE_WINDOW,
-    Paired,
-    SpikeEvent,
-    early_loss,
-    final_eval,
-    median_grad_norm,
-    peak_grad_norm,
+    RunStats,
     probe_score,
     role_of,
-    run_seed,
-    spike_events,
+    run_stats,
 )
+from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
+from musiclm_stab.analysis.lr_grid import grid_markdown, summarise_grid
 from musiclm_stab.analysis.runs import RunMetrics, read_run
+from musiclm_stab.experiments.sweep_report import lr_text
+
+__all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
+           "analyse", "claims_of", "cli_main", "control_of", "fill_doc", "find_run_dirs", "markdown",
+           "probe_score", "role_of", "study_blocks", "to_json", "write_claims"]
+
+CLIP_SHARE_MIN = 0.2
+MIN_BLOCKS = 6
+SHORT = {"clip10": "clip 10", "clip1": "clip 1", "deepnorm": "DeepNorm", "relax": "relax",
+         "qknorm": "QK-Norm"}
+Block = tuple[float, int]  # (lr, seed)
 
 
 @dataclass
-class ClaimResult:
-    claim: str  # "a" .. "d"
-    text: str  # the claim
-    statistic: str  # what was computed
-    values: dict[str, list[float]]  # role -> one value per seed (seed order)
-    paired: str  # the paired difference, in words and numbers
-    verdict: str
-    why: str
-    secondary: list[str] = field(default_factory=list)  # further numbers, one line each
+class Blocks:
+    complete: dict[Block, dict[str, RunStats]]  # ascending (lr, seed); role -> run, the four ROLES
+    control: dict[Block, RunStats] = field(default_factory=dict)  # QK-Norm runs at complete blocks
+    incomplete: dict[Block, list[str]] = field(default_factory=dict)  # block -> the roles it has
+    ignored: list[str] = field(default_factory=list)  # runs with no role
+
+    def values(self, fn, role: str, blocks: Sequence[Block] | None = None) -> np.ndarray:
+        """fn(run of ``role``) per block (``blocks``, or every complete block), as floats."""
+        keys = self.complete if blocks is None else blocks
+        return np.array([fn(self.complete[b][role]) for b in keys], dtype=np.float64)
 
 
-def by_role(runs: Sequence[RunMetrics]) -> dict[str, dict[int, RunMetrics]]:
-    """{role: {seed: run}} of the runs that are one of the study's configurations."""
-    out: dict[str, dict[int, RunMetrics]] = {role: {} for role in ROLES}
-    for run in runs:
-        role = role_of(run.config)
-        if role is None:
+def study_blocks(stats: Sequence[RunStats]) -> Blocks:
+    """Sort runs into blocks (module docstring). Raises ValueError for two runs of one role in one block,
+    or when no block is complete (naming what each block lacks)."""
+    seen: dict[Block, dict[str, RunStats]] = {}
+    ignored = [s.path for s in stats if s.role is None]
+    if ignored:
+        warnings.warn(f"runs with none of the study's roles, ignored: {', '.join(ignored)}", stacklevel=2)
+    for s in stats:
+        if s.role is None:
             continue
-        seed = run_seed(run.config)
-        if seed in out[role]:
-            raise ValueError(f"runs {out[role][seed].path} and {run.path} are both {role} at train.seed={seed}")
-        out[role][seed] = run
-    return out
+        block = seen.setdefault((s.lr, s.seed), {})
+        if s.role in block:
+            raise ValueError(f"runs {block[s.role].path} and {s.path} are both {s.role} at lr {s.lr:g}, "
+                             f"train.seed {s.seed}: one run per configuration and block")
+        block[s.role] = s
+    complete = {b: {r: runs[r] for r in ROLES} for b, runs in sorted(seen.items())
+                if all(r in runs for r in ROLES)}
+    incomplete = {b: [r for r in (*ROLES, CONTROL) if r in runs] for b, runs in sorted(seen.items())
+                  if b not in complete}
+    if not complete:
+        lacks = "; ".join(f"lr {b[0]:g} seed {b[1]}: no {', '.join(r for r in ROLES if r not in have)}"
+                          for b, have in incomplete.items()) or "no run has a role"
+        raise ValueError(f"no complete block (one run of each of {', '.join(ROLES)} at one lr and seed): "
+                         f"{lacks}")
+    control = {b: seen[b][CONTROL] for b in complete if CONTROL in seen[b]}
+    return Blocks(complete, control, incomplete, ignored)
 
 
-def _per_seed(table: dict[str, dict[int, RunMetrics]], fn) -> dict[str, dict[int, float]]:
-    return {role: {seed: fn(run) for seed, run in sorted(runs.items())} for role, runs in table.items()}
+def _ln(values: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(values)  # 0 -> -inf, negative or NaN -> NaN (dropped by the test)
 
 
-def _paired(values: dict[str, dict[int, float]], fn) -> Paired:
-    """d_s = fn({role: value at seed s}) for every seed all four configurations have."""
-    seeds = sorted(set.intersection(*(set(v) for v in values.values()))) if values else []
-    return Paired({s: float(fn({role: values[role][s] for role in values})) for s in seeds})
+def _diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return a - b  # inf - inf: NaN, an undefined difference
 
 
-def _spread(values: Sequence[float], fmt: str = "{:.3g}") -> str:
-    v = np.array([x for x in values if math.isfinite(x)])
-    if not len(v):
-        return "n/a"
-    if len(v) == 1:
-        return fmt.format(v[0])
-    return f"{fmt.format(v.mean())} [{fmt.format(v.min())}, {fmt.format(v.max())}]"
+def claims_of(blocks: Blocks) -> list[Claim]:
+    """The four claims with their parts and preconditions, decided (verdicts filled in)."""
+    def early(role: str, at: Sequence[Block] | None = None) -> np.ndarray:
+        return blocks.values(lambda s: s.early_loss, role, at)
 
+    keys = list(blocks.complete)
+    n = len(keys)
 
-def evaluate_claims(runs: Sequence[RunMetrics]) -> list[ClaimResult]:
-    """The four claims on ``runs`` (read in bits). Needs every configuration at one seed at least."""
-    table = by_role(runs)
-    missing = [role for role in ROLES if not table[role]]
-    if missing:
-        raise ValueError(f"no run of the configuration(s) {', '.join(missing)}: the claims need all four")
-    results = []
-
-    # (a) clip 10 faster early than clip 1
-    early = {m: _per_seed(table, lambda r, m=m: early_loss(r, m))
-             for m in ("loss", "musical_mlm_loss", "acoustic_mlm_loss/cb0")}
-    pa = _paired(early["loss"], lambda v: v["clip1"] - v["clip10"])
-    sec = []
-    for m in ("musical_mlm_loss", "acoustic_mlm_loss/cb0"):
-        p = _paired(early[m], lambda v: v["clip1"] - v["clip10"])
-        sec.append(f"{m}: early mean clip 1 - clip 10 = {p.text()} -> {p.verdict()}")
-    results.append(ClaimResult(
-        "a", "Pre-Norm with clip 10 converges faster early than with clip 1",
-        "early: mean training loss (bits) over steps 1..2W; d = early(clip 1) - early(clip 10)",
-        {r: list(v.values()) for r, v in early["loss"].items()}, pa.text(), pa.verdict(),
-        _why_a(pa), sec))
-
-    # (b) DeepNorm lowest gradient norm throughout
-    gn = _per_seed(table, median_grad_norm)
-    gn_warm = _per_seed(table, lambda r: median_grad_norm(r, after_warmup=False))
-    pb = _paired(gn, lambda v: math.log(min(v[r] for r in ROLES if r != "deepnorm")) - math.log(v["deepnorm"]))
-    pb_warm = _paired(gn_warm, lambda v: math.log(min(v[r] for r in ROLES if r != "deepnorm"))
-                      - math.log(v["deepnorm"]))
-    peaks = _per_seed(table, lambda r: peak_grad_norm(r)[0])
-    sec = [f"median during warmup: d = {pb_warm.text()} -> {pb_warm.verdict()}",
-           "peak after W/2 (mean [min, max] over seeds): "
-           + "; ".join(f"{ROLE_TITLES[r]} {_spread(list(peaks[r].values()))}" for r in ROLES)]
-    results.append(ClaimResult(
-        "b", "Post-Norm with DeepNorm keeps the lowest gradient norm throughout",
-        "gnorm: median gradient norm after W; d = ln(lowest other gnorm) - ln(gnorm(DeepNorm))",
-        {r: list(v.values()) for r, v in gn.items()}, pb.text(), pb.verdict(), _why_b(pb), sec))
-
-    # (c) DeepNorm transient spike, recovered
-    events = {role: {seed: spike_events(run) for seed, run in runs.items()} for role, runs in table.items()}
-    counts = {role: {s: float(len(e)) for s, e in ev.items()} for role, ev in events.items()}
-    vc, why_c = _verdict_c(events)
-    sec = []
-    for m in ("musical_mlm_loss", "acoustic_mlm_loss/cb0"):
-        n = {role: [len(spike_events(run, m)) for _, run in sorted(runs.items())] for role, runs in table.items()}
-        sec.append(f"{m} spike events per seed: " + "; ".join(f"{ROLE_TITLES[r]} {n[r]}" for r in ROLES))
-    dn_events = [f"seed {s}: " + (", ".join(f"step {e.step} x{e.ratio:.2f} "
-                                            + (f"recovered by {e.recovered_at}" if e.recovered_at else "not recovered")
-                                            for e in ev) or "none")
-                 for s, ev in sorted(events["deepnorm"].items())]
-    sec.append("DeepNorm's events: " + "; ".join(dn_events))
-    results.append(ClaimResult(
-        "c", "Post-Norm/DeepNorm shows a transient loss spike and recovers",
-        f"events: training-loss spikes above {K_SPIKE} x the running median of {SPIKE_WINDOW} steps, per seed",
-        {r: list(v.values()) for r, v in counts.items()},
-        "DeepNorm events minus the most of any other configuration, per seed: "
-        + ", ".join(f"{counts['deepnorm'][s] - max(counts[r][s] for r in ROLES if r != 'deepnorm'):+.0f}"
-                    for s in sorted(counts["deepnorm"]) if all(s in counts[r] for r in ROLES)),
-        vc, why_c, sec))
-
-    # (d) relax slower but steady
-    pd = _paired(early["loss"], lambda v: v["relax"] - v["clip1"])
-    relax_events = [len(e) for _, e in sorted(events["relax"].items())]
-    steady = all(n == 0 for n in relax_events)
-    if pd.verdict() == "reproduced" and steady:
-        vd, why_d = "reproduced", "slower early at every seed (significant) and no spike event"
-    elif pd.verdict() == "refuted" or sum(n > 0 for n in relax_events) >= 2:
-        vd = "refuted"
-        why_d = ("faster early than Pre-Norm clip 1 at every seed" if pd.verdict() == "refuted"
-                 else f"spike events at {sum(n > 0 for n in relax_events)} seeds")
+    # (a)
+    share = blocks.values(lambda s: s.clip_share_early, "clip1")
+    used = [b for b, x in zip(keys, share) if x >= CLIP_SHARE_MIN]
+    a = Claim("a", "Pre-Norm with clip 10 converges faster early than with clip 1")
+    if used:
+        a.parts = [Part.paired("early loss (bits): clip 1 - clip 10",
+                               _diff(early("clip1", used), early("clip10", used)))]
+    clipped = "clip 1 logged no clip share"
+    if np.isfinite(share).any():
+        clipped = f"clip 1 clips {np.nanmedian(share) * 100:.0f}% of early steps (median over {n} blocks)"
+    if len(used) < MIN_BLOCKS:
+        a.testable = False
+        a.reason = (f"{clipped}; {len(used)} blocks at >= {CLIP_SHARE_MIN:.0%}, {MIN_BLOCKS} needed: "
+                    "the two clip values train alike")
     else:
-        vd = "inconclusive"
-        why_d = ("no significant early difference to Pre-Norm clip 1"
-                 + ("" if steady else f"; spike events per seed {relax_events}"))
-    results.append(ClaimResult(
-        "d", "Pre-Norm with Attn. Relax converges more slowly but steadily",
-        "early (as (a)); d = early(relax) - early(clip 1); steady: no spike event (as (c))",
-        {r: list(v.values()) for r, v in early["loss"].items()}, pd.text(), vd, why_d,
-        [f"relax spike events per seed: {relax_events}"]))
-    return results
+        a.reason = f"{clipped}; {len(used)} of {n} blocks at >= {CLIP_SHARE_MIN:.0%} used"
+
+    # (b)
+    b = Claim("b", "Post-Norm with DeepNorm keeps the lowest gradient norm throughout")
+    for what, fn in (("median grad norm", lambda s: s.median_grad_norm),
+                     ("peak/median grad norm", lambda s: s.peak_ratio)):
+        dn = _ln(blocks.values(fn, "deepnorm"))
+        for c in ("clip10", "clip1", "relax"):
+            d = _diff(_ln(blocks.values(fn, c)), dn)
+            b.parts.append(Part.paired(f"ln {what}: {SHORT[c]} - DeepNorm", d))
+
+    # (c)
+    spiked = {r: [blocks.complete[k][r].has_recovered_spike for k in keys] for r in ROLES}
+    c = Claim("c", "Post-Norm/DeepNorm shows a transient loss spike and recovers",
+              [Part.binary(f"recovered loss spike: DeepNorm vs {SHORT[r]}", spiked["deepnorm"], spiked[r])
+               for r in ("clip10", "clip1", "relax")])
+    counts = ", ".join(f"{SHORT[r]} {sum(spiked[r])}" for r in ROLES)
+    if not any(any(v) for v in spiked.values()):
+        c.testable = False
+        c.reason = f"no transient spike at this scale (runs with a recovered spike: {counts})"
+    else:
+        c.reason = f"runs with a recovered spike, of {n}: {counts}"
+
+    # (d)
+    top = sorted({lr for lr, _ in keys})[-2:]
+    at_top = [k for k in keys if k[0] in top]
+    unsteady = blocks.values(lambda s: s.instability.total, "clip1", at_top)
+    relax = blocks.values(lambda s: s.instability.total, "relax", at_top)
+    d = Claim("d", "Pre-Norm with Attn. Relax converges more slowly, but steadily",
+              [Part.paired("slower: early loss (bits) relax - clip 1",
+                           _diff(early("relax"), early("clip1")))])
+    rates = ", ".join(lr_text(lr) for lr in top)
+    if unsteady.sum() > 0:
+        d.parts.append(Part.paired(f"steady: instability clip 1 - relax (lr {rates})",
+                                   _diff(unsteady, relax)))
+        d.reason = f"clip 1's instability at lr {rates}: {int(unsteady.sum())} in {len(at_top)} blocks"
+    else:
+        d.refute_only = True
+        d.reason = f"clip 1 shows no instability at lr {rates}: the steady part is not testable"
+    return decide([a, b, c, d])
 
 
-def _why_a(p: Paired) -> str:
-    v = p.verdict()
-    if v == "reproduced":
-        return "clip 10 lower early loss at every seed, significant"
-    if v == "refuted":
-        return "clip 1 lower early loss at every seed, significant"
-    return "the difference changes sign over seeds or is small against its spread"
+def control_of(blocks: Blocks) -> dict | None:
+    """The positive control's two comparisons at the blocks with a QK-Norm run (None: no such block)."""
+    keys = list(blocks.control)
+    if not keys:
+        return None
+    clip1 = [blocks.complete[k]["clip1"] for k in keys]
+    qk = [blocks.control[k] for k in keys]
+    logits = [np.array([s.max_attn_logit for s in runs]) for runs in (clip1, qk)]
+    parts = [Part.binary("diverged: clip 1 vs QK-Norm", [s.diverged for s in clip1],
+                         [s.diverged for s in qk]),
+             Part.paired("max attention logit: clip 1 - QK-Norm", _diff(*logits))]
+    return {"blocks": [list(k) for k in keys], "parts": parts}
 
 
-def _why_b(p: Paired) -> str:
-    v = p.verdict()
-    if v == "reproduced":
-        return "DeepNorm's median after warmup is the lowest at every seed, significant"
-    if v == "refuted":
-        return "some other configuration's median is lower than DeepNorm's at every seed, significant"
-    return "DeepNorm is not the lowest at every seed, or not by a margin beyond the seed spread"
-
-
-def _verdict_c(events: dict[str, dict[int, list[SpikeEvent]]]) -> tuple[str, str]:
-    seeds = sorted(set.intersection(*(set(v) for v in events.values())))
-    dn = events["deepnorm"]
-    if not any(dn[s] for s in seeds):
-        return "refuted", "no DeepNorm spike event at any seed"
-    holds = [any(e.recovered_at is not None for e in dn[s])
-             and len(dn[s]) > max(len(events[r][s]) for r in ROLES if r != "deepnorm") for s in seeds]
-    if all(holds):
-        return "reproduced", "a recovered DeepNorm spike at every seed, and more events than any other configuration"
-    return "inconclusive", f"the DeepNorm pattern holds at {sum(holds)} of {len(seeds)} seeds"
+def analyse(stats: Sequence[RunStats], unigram_eval_cb0: float | None = None) -> dict:
+    """Everything claims.md shows, as one dict: blocks, the decided claims, the control, the grid."""
+    blocks = study_blocks(stats)
+    used = [s for runs in blocks.complete.values() for s in runs.values()] + list(blocks.control.values())
+    return {"blocks": blocks, "claims": claims_of(blocks), "control": control_of(blocks),
+            **summarise_grid(used, unigram_eval_cb0)}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tables
+# Markdown and JSON
 
 
-def outcome_rows(runs: Sequence[RunMetrics]) -> list[tuple[str, list[str]]]:
-    """Further numbers per configuration (mean [min, max] over seeds): where each run ended."""
-    table = by_role(runs)
-    rows = [
-        ("final held-out loss (bits)", lambda r: final_eval(r, "eval/loss")),
-        ("final held-out codebook-0 CE (bits)", lambda r: final_eval(r, "eval/acoustic_mlm_loss/cb0")),
-        ("final held-out musical MLM loss", lambda r: final_eval(r, "eval/musical_mlm_loss")),
-        ("training loss, mean of the last 10% (bits)", lambda r: _last_mean(r, "loss")),
-        ("steps clipped (share)", lambda r: _last_mean(r, "grad_clipped", share=1.0)),
-        ("skipped steps (non-finite)", lambda r: float(len(r.skipped_steps))),
-        ("largest attention logit (any layer, any step)", _max_logit),
-        ("probe: best-layer pitch mAP", probe_score),
-    ]
-    out = []
-    for name, fn in rows:
-        values = [[fn(run) for _, run in sorted(table[role].items())] for role in ROLES]
-        if all(not any(math.isfinite(x) for x in v) for v in values):
-            continue  # not measured (no eval, no probe, no diagnostics)
-        out.append((name, [_spread(v) for v in values]))
-    return out
+def _p(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.3g}"
 
 
-def _last_mean(run: RunMetrics, metric: str, share: float = 0.1) -> float:
-    series = run.metric(metric)
-    if series is None:
-        return math.nan
-    values = series[1]
-    return float(values[-max(1, int(len(values) * share)):].mean())
+def part_text(q: Part) -> str:
+    adjusted = "" if math.isnan(q.p_adjusted) else f", adj. {_p(q.p_adjusted)}"
+    if q.test == "mcnemar":  # named "what: A vs B"; n10 counts blocks where only A has it
+        first, vs, second = q.name.rpartition(": ")[2].partition(" vs ")
+        counts = f"only {first} {q.n10}, only {second} {q.n01}" if vs else f"n10 {q.n10}, n01 {q.n01}"
+        return f"{q.name}: {counts} of {q.blocks} blocks, p {_p(q.p)}{adjusted}"
+    return f"{q.name}: n {q.n} of {q.blocks}, median {q.estimate:+.3g}, p {_p(q.p)}{adjusted}"
 
 
-def _max_logit(run: RunMetrics) -> float:
-    values = [v.max() for k, (_, v) in run.series.items() if k.startswith("diag/max_attn_logit/layer")]
-    return float(max(values)) if values else math.nan
-
-
-def markdown(results: Sequence[ClaimResult], outcomes: Sequence[tuple[str, list[str]]] = ()) -> str:
-    """The claims table (and the outcome table) as markdown."""
-    head = "| claim | statistic | " + " | ".join(ROLE_TITLES[r] for r in ROLES) + " | paired difference | verdict | why |"
-    lines = [head, "|" + "---|" * (len(ROLES) + 5)]
-    for r in results:
-        cells = [_spread(r.values.get(role, [])) for role in ROLES]
-        lines.append(f"| ({r.claim}) {r.text} | {r.statistic} | " + " | ".join(cells)
-                     + f" | {r.paired} | **{r.verdict}** | {r.why} |")
-    lines.append("")
-    lines.append("Values: mean [min, max] over seeds. Further numbers:")
-    lines.append("")
-    for r in results:
-        for s in r.secondary:
-            lines.append(f"- ({r.claim}) {s}")
-    if outcomes:
-        lines += ["", "| where the runs ended | " + " | ".join(ROLE_TITLES[r] for r in ROLES) + " |",
-                  "|" + "---|" * (len(ROLES) + 1)]
-        for name, cells in outcomes:
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+def markdown(result: dict) -> str:
+    """claims.md: the claims table (one row per claim), the blocks, the control and the grid tables."""
+    lines = ["| claim | parts: n, median difference, p, adjusted p | claim p (direction) | adjusted p "
+             "| verdict | why |", "|---|---|---|---|---|---|"]
+    for c in result["claims"]:
+        parts = "<br>".join(part_text(q) for q in c.parts) or "none"
+        tested = c.testable and not math.isnan(c.p_adjusted)
+        claim_p = f"{_p(c.p)} ({c.direction or 'none'})" if tested else "-"
+        why = c.why if c.verdict == "not testable at this scale" or not c.reason else f"{c.why}; {c.reason}"
+        lines.append(f"| ({c.key}) {c.text} | {parts} | {claim_p} | {_p(c.p_adjusted) if tested else '-'} "
+                     f"| **{c.verdict}** | {why} |")
+    blocks: Blocks = result["blocks"]
+    lines += ["", f"Family: the testable claims, Holm-adjusted at {ALPHA}. Differences are paired within a "
+              "block (lr, seed); a part's median difference > 0 (McNemar: the first more often) is what the "
+              "claim says.", "", f"Complete blocks ({len(blocks.complete)}): " + "; ".join(
+                  f"lr {lr_text(lr)}, seeds {', '.join(str(s) for x, s in blocks.complete if x == lr)}"
+                  for lr in sorted({x for x, _ in blocks.complete})) + "."]
+    if blocks.incomplete:
+        lines.append("Incomplete blocks, not used: " + "; ".join(
+            f"lr {lr_text(lr)} seed {s} ({', '.join(have) or 'nothing'})"
+            for (lr, s), have in blocks.incomplete.items()) + ".")
+    if blocks.ignored:
+        lines.append("Runs with none of the study's roles, ignored: " + ", ".join(blocks.ignored) + ".")
+    control = result["control"]
+    lines += ["", "### Positive control (QK-Norm)", ""]
+    if control is None:
+        lines.append("No QK-Norm run at a complete block: not run.")
+    else:
+        lines.append(f"At {len(control['blocks'])} blocks (> 0: clip 1 diverges more / has larger attention "
+                     "logits, what QK-Norm should prevent; p not adjusted, not part of the family):")
+        lines += [f"- {part_text(q)}" for q in control["parts"]]
+    lines += ["", *grid_markdown(result)]
     return "\n".join(lines) + "\n"
 
 
-def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path) -> tuple[Path, Path]:
-    """Test the claims on ``run_dirs``; write ``claims.md`` and ``claims.json`` into ``out_dir``."""
-    runs = [r.in_unit("bits") if isinstance(r, RunMetrics) else read_run(r, "bits") for r in run_dirs]
-    results = evaluate_claims(runs)
-    outcomes = outcome_rows(runs)
+def _plain(x):
+    """JSON-safe: NaN -> null, +-inf -> "inf"/"-inf", dataclasses and tuples opened up."""
+    if isinstance(x, float) or isinstance(x, np.floating):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf") if math.isinf(x) else float(x)
+    if isinstance(x, (np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, dict):
+        return {(lr_text(k) if isinstance(k, float) else str(k)): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _plain(vars(x))
+    return x
+
+
+def to_json(result: dict) -> dict:
+    blocks: Blocks = result["blocks"]
+    out = {k: _plain(v) for k, v in result.items() if k != "blocks"}
+    out["alpha"] = ALPHA
+    out["blocks"] = {"complete": [list(b) for b in blocks.complete],
+                     "incomplete": [{"lr": lr, "seed": s, "roles": have}
+                                    for (lr, s), have in blocks.incomplete.items()],
+                     "ignored": blocks.ignored}
+    used = [st for runs in blocks.complete.values() for st in runs.values()] + list(blocks.control.values())
+    out["runs"] = [{**_plain(st), "instability_total": st.instability.total} for st in used]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files and the command line
+
+
+def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Each path is a run directory (has config.yaml) or a folder searched for run directories (config.yaml
+    and metrics.jsonl; not below a run directory). FileNotFoundError names a path with none."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "config.yaml").is_file():
+            found.append(p)
+            continue
+        if not p.is_dir():
+            raise FileNotFoundError(f"{p} does not exist")
+        below = []
+        for root, dirs, files in os.walk(p):
+            if "config.yaml" in files and "metrics.jsonl" in files:
+                below.append(Path(root))
+                dirs.clear()
+            dirs.sort()
+        if not below:
+            raise FileNotFoundError(f"{p} is neither a run directory nor a folder with one "
+                                    "(config.yaml + metrics.jsonl)")
+        found += sorted(below)
+    return found
+
+
+def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path,
+                 unigram_eval_cb0: float | None = None) -> tuple[Path, Path]:
+    """Test the claims on ``run_dirs`` (run directories, folders of them, or RunMetrics); write
+    ``claims.md`` and ``claims.json`` (every number of the markdown; NaN as null, infinities as
+    "inf"/"-inf") into ``out_dir``. ``unigram_eval_cb0``: the unigram level (bits) of the "learns" check."""
+    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
+    paths = [r for r in run_dirs if not isinstance(r, RunMetrics)]
+    runs += [read_run(d, "bits") for d in find_run_dirs(paths)]
+    result = analyse([run_stats(r) for r in runs], unigram_eval_cb0)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "claims.md", out / "claims.json"
-    md.write_text(markdown(results, outcomes))
-    js.write_text(json.dumps({
-        "runs": [str(r.path) for r in runs],
-        "claims": [{"claim": r.claim, "text": r.text, "statistic": r.statistic,
-                    "values": {k: [None if not math.isfinite(x) else x for x in v] for k, v in r.values.items()},
-                    "paired": r.paired, "verdict": r.verdict, "why": r.why, "secondary": r.secondary}
-                   for r in results],
-        "outcomes": {name: dict(zip(ROLES, cells)) for name, cells in outcomes},
-    }, indent=2) + "\n")
+    md.write_text(markdown(result))
+    js.write_text(json.dumps({"run_dirs": [str(r.path) for r in runs], **to_json(result)}, indent=2) + "\n")
     return md, js
 
 
@@ -305,13 +350,17 @@ def fill_doc(doc: str | Path, table: str) -> Path:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.claims", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.claims",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories, or folders to search for them")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for claims.md and claims.json")
     p.add_argument("--doc", metavar="MD", help="also put the table into this file, between its markers")
+    p.add_argument("--unigram", type=float, metavar="BITS",
+                   help="held-out codebook-0 CE of the unigram model (bits), for the 'learns' check")
     args = p.parse_args(argv)
     try:
-        md, _ = write_claims(args.run_dirs, args.out)
+        md, _ = write_claims(args.run_dirs, args.out, args.unigram)
         if args.doc:
             fill_doc(args.doc, md.read_text())
     except (FileNotFoundError, ValueError) as e:

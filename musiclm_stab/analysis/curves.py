@@ -1,6 +1,7 @@
 """What a figure draws, read from run directories: runs grouped into lines by legend text, each line's
-smoothed curve (TensorBoard's debiased EMA) and, for the seeds of one configuration, the band over seeds;
-and the metrics derived when read (the largest attention logit over layers)."""
+curve (as logged; window means as fairseq logs them, one value per ``window`` steps; or TensorBoard's
+debiased EMA) and, for the seeds of one configuration, the band over seeds; the metrics derived when read
+(the largest attention logit over layers); and robust y limits that a single outlier does not set."""
 
 from __future__ import annotations
 
@@ -34,6 +35,44 @@ def ema(values: np.ndarray, smooth: float) -> np.ndarray:
         weight = smooth * weight + (1.0 - smooth)
         out[i] = acc / weight
     return out
+
+
+def window_means(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Means of the logged values over consecutive windows of ``window`` steps, as fairseq logs a run (one
+    row per ``log_interval`` updates, the mean over them): window k covers steps (k-1)W+1 .. kW and is
+    placed at its last logged step. ``window`` <= 1 returns the values as they are."""
+    steps, values = np.asarray(steps), np.asarray(values, dtype=np.float64)
+    if window <= 1 or not len(steps):
+        return steps.copy(), values.copy()
+    bins = (steps - 1) // window
+    edges = np.flatnonzero(np.diff(bins)) + 1  # steps are sorted: each window is one contiguous run
+    starts = np.concatenate([[0], edges])
+    sums = np.add.reduceat(values, starts)
+    counts = np.diff(np.concatenate([starts, [len(values)]]))
+    ends = np.concatenate([edges, [len(values)]]) - 1
+    return steps[ends], sums / counts
+
+
+def robust_limits(values: np.ndarray, log: bool = False, q: float = 1.0, reach: float = 3.0, pad: float = 0.06
+                  ) -> tuple[float, float] | None:
+    """y limits for the drawn curves ``values`` (in log10 when ``log``): their whole range, except that an
+    end lying more than ``reach`` times the bulk's span (the ``q``-th to (100 - ``q``)-th percentile) beyond
+    the bulk is cut back to the bulk, padded by ``pad`` of the range. So a curve's own descent is shown
+    whole, while a one-window excursion to 10^4 beside values of 10 is drawn as marks at the edge instead
+    of flattening every curve. None without finite values."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v) & ((v > 0) if log else True)]
+    if not len(v):
+        return None
+    if log:
+        v = np.log10(v)
+    bulk_lo, bulk_hi = np.percentile(v, [q, 100 - q])
+    span = bulk_hi - bulk_lo
+    lo = v.min() if bulk_lo - v.min() <= reach * span else bulk_lo
+    hi = v.max() if v.max() - bulk_hi <= reach * span else bulk_hi
+    width = hi - lo if hi > lo else max(abs(hi), 1e-12) * 0.1
+    lo, hi = lo - pad * width, hi + pad * width
+    return (10**lo, 10**hi) if log else (float(lo), float(hi))
 
 
 def resolve_labels(runs: Sequence[RunMetrics], labels: Sequence[str] | None) -> list[str]:
@@ -95,14 +134,15 @@ def group_runs(runs: Sequence[RunMetrics], labels: Sequence[str] | None = None) 
     return list(groups.values())
 
 
-def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float) -> SeedCurve | None:
+def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float, window: int = 1) -> SeedCurve | None:
     """The mean, band (min-max of the smoothed curves) and raw mean of ``metric`` over ``runs``.
 
-    Each run is smoothed on its own logged steps (so a missing step in one seed does not shift
-    another's EMA), then the runs are combined step by step over the steps any of them logged. None
+    ``window`` > 1: each run's values first become window means (``window_means``; ``raw`` is then the
+    mean of those). Each run is smoothed on its own logged steps (so a missing step in one seed does not
+    shift another's EMA), then the runs are combined step by step over the steps any of them logged. None
     when no run logged the metric.
     """
-    series = [s for s in (run.metric(metric) for run in runs) if s is not None]
+    series = [window_means(*s, window) for s in (run.metric(metric) for run in runs) if s is not None]
     if not series:
         return None
     steps = np.unique(np.concatenate([s for s, _ in series]))

@@ -24,6 +24,7 @@ from musiclm_stab.data import CropDataset, split_indices
 from musiclm_stab.data.loader import EVAL_BATCH_SIZE, EVAL_SEED, held_out_loader
 from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.held_out import held_out_metrics
+from musiclm_stab.training.precision import forward_context
 from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
@@ -50,8 +51,10 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
                           f"{cfg.data.crop_seconds} s (eval_fraction={cfg.data.eval_fraction}); try --split all")
     model = load_model(ckpt, cfg, device)
     # The loop train.eval_every shares (training/held_out.py): losses averaged over masked frames.
+    # in the run's precision (fp16 runs: the fp16 arithmetic, emulated on CPU), as train.eval_every computes it
     result, frames = held_out_metrics(model, held_out_loader(cfg, dataset, batch_size, seed), cfg.model.resolved(),
-                                      cfg.train.loss_unit, device, progress=True)
+                                      cfg.train.loss_unit, device, progress=True,
+                                      forward_context=lambda: forward_context(cfg.train, device))
     step = json.loads((ckpt / STATE_FILE).read_text())["step"]
     result.update({"step": step, "checkpoint": str(ckpt),
                    "data": [str(d) for d in data_path] if isinstance(data_path, list) else str(data_path),

@@ -22,16 +22,23 @@ green / pink with markers o ^ v D. Skipped (non-finite) steps are marked with sm
 and loss-spike-guard rollbacks with dashed vertical lines. Plots read run directories only, never the
 training loop; problems with the files are warnings (`PlotWarning`), not crashes.
 
-``--smooth S``: TensorBoard's debiased EMA, the raw values faint behind. ``--bands``: runs with the same
-legend text are the seeds of one configuration (the seed is not part of the legend): one line, the mean
-over seeds of each seed's EMA, in a band from the lowest to the highest seed's EMA (min-max, not +-std:
-with 3 seeds the band shows every seed), the raw mean faint behind. ``--extra`` adds:
+``--window N``: window means, as fairseq logs a run (the mean over each N steps; the study's figures are
+such logs). ``--smooth S``: TensorBoard's debiased EMA (after the window means, if any), the raw values
+faint behind. ``--bands``: runs with the same legend text are the seeds of one configuration (the seed is
+not part of the legend): one line, the mean over seeds of each seed's curve, in a band from the lowest to
+the highest seed's (min-max, not +-std: with 3 seeds the band shows every seed), the raw mean faint
+behind. y limits are robust: they span the drawn curves (lines and bands) except an excursion far beyond
+their bulk (``curves.robust_limits``), and raw values beyond them are marked with a triangle at the edge
+(so one point of 10^4 does not flatten every curve).
+``--extra`` adds:
 
   acoustic_mlm_loss_codebooks.png  every codebook's CE, one panel each (2 x 4), log-scaled steps
   grad_norm_log.png                the gradient norm, log-scaled
   max_attn_logit.png               largest attention logit |q.k|/sqrt(d) over the layers (diagnostics_every)
   max_attn_logit_layers.png        the same, one panel per layer
-  eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every)
+  eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every), as
+                                   evaluated: neither smoothed nor averaged over windows
+  loss_scale.png                   fp16's loss scale (log-scaled)
 
 This module lays out the figures and panels; the lines come from analysis/curves.py (runs grouped by
 legend text, EMA, seed bands) and the look from analysis/style.py (colours, markers, the step axis).
@@ -61,6 +68,7 @@ from musiclm_stab.analysis.curves import (
     group_runs,
     layer_count,
     resolve_labels,
+    robust_limits,
     seed_curve,
     with_derived,
 )
@@ -81,7 +89,8 @@ __all__ = ["PlotWarning", "RunMetrics", "cli_main", "make_figures", "plot_runs",
 
 SKIPPED_LABEL = "Skipped step (non-finite)"
 ROLLBACK_LABEL = "Rollback (loss-spike guard)"
-BAND_LABEL = "Band: min-max over {} seeds (EMA)"
+OUTSIDE_LABEL = "Beyond the axis (marked at its edge)"
+BAND_LABEL = "Band: min-max over {} seeds{}"
 
 CODEBOOK = re.compile(r"^acoustic_mlm_loss/cb(\d+)$")
 
@@ -129,6 +138,7 @@ def make_figures(
     unit: str = "bits",
     bands: bool = False,
     extra: bool = False,
+    window: int = 1,
 ) -> dict[str, Figure]:
     """The study's figures as matplotlib Figures, keyed by file stem ("loss", "grad_norm", ...).
 
@@ -149,6 +159,8 @@ def make_figures(
         raise ValueError("no runs to plot")
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 step, got {window}")
     runs = [with_derived(run) for run in runs]
     if bands:
         groups = group_runs(runs, labels)
@@ -165,13 +177,14 @@ def make_figures(
 
     figures: dict[str, Figure] = {}
     for spec in specs:
-        fig = _figure([spec], groups, smooth, log_x, title=None)
+        fig = _figure([spec], groups, smooth, log_x, title=None, window=window)
         if fig is not None:
             figures[spec.name] = fig
     if extra:
         for name, (panels, title) in extra_figures(runs, unit).items():
-            fig = _figure(panels, groups, smooth if not name.startswith("eval") else 0.0, log_x, title=title,
-                          warn_missing=False)
+            evaluated = name.startswith("eval")  # drawn as evaluated: every point is a whole evaluation
+            fig = _figure(panels, groups, 0.0 if evaluated else smooth, log_x, title=title, warn_missing=False,
+                          window=1 if evaluated else window)
             if fig is not None:
                 figures[name] = fig
     return figures
@@ -207,6 +220,10 @@ def extra_figures(runs: Sequence[RunMetrics], unit: str) -> dict[str, tuple[list
              for i in range(layer_count(runs))],
             "Largest attention logit |q.k|/sqrt(d) per layer",
         ),
+        "loss_scale": (
+            [FigureSpec("loss_scale", "loss_scale", "fp16 Loss Scale (log scale)", False, log_y=True)],
+            "fp16 loss scale (fairseq: halved on an overflow, doubled after a clean window)",
+        ),
         "eval": (
             [FigureSpec("eval_loss", "eval/loss", f"Held-out Loss ({unit})", False),
              FigureSpec("eval_musical", "eval/musical_mlm_loss", f"Held-out Musical MLM Loss ({mse})", True),
@@ -225,6 +242,7 @@ def _figure(
     log_x: bool | None,
     title: str | None,
     warn_missing: bool = True,
+    window: int = 1,
 ) -> Figure | None:
     """One figure of ``panels`` (one axes each; 1 panel: the study's 8 x 5 in, more: a grid of up to 4
     per row). None, with a warning, when no group has any panel's metric."""
@@ -254,7 +272,7 @@ def _figure(
     handles: list = []
     for ax, (spec, with_data) in zip(axes, drawable):
         handles = _draw_panel(ax, spec, groups, with_data, smooth, spec.log_x if log_x is None else log_x,
-                              legend=n == 1)
+                              legend=n == 1, window=window)
         if n > 1:
             ax.set_title(spec.ylabel, fontsize=9)
             ax.set_ylabel("")
@@ -274,12 +292,13 @@ def _draw_panel(
     smooth: float,
     log_x: bool,
     legend: bool = True,
+    window: int = 1,
 ) -> list:
     """Draw ``spec``'s metric for the groups ``with_data`` into ``ax``; returns the legend handles."""
     max_step = 0.0
     curves: dict[int, SeedCurve] = {}
     for i in with_data:
-        curves[i] = curve = seed_curve(groups[i].runs, spec.metric, smooth)
+        curves[i] = curve = seed_curve(groups[i].runs, spec.metric, smooth, window)
         marks = [curve.steps[-1]]
         for run in groups[i].runs:
             marks += [*run.skipped_steps, *(rb.step for rb in run.rollbacks)]
@@ -291,7 +310,7 @@ def _draw_panel(
     for i in with_data:
         group, curve = groups[i], curves[i]
         colour, marker = COLOURS[i % len(COLOURS)], MARKERS[i % len(MARKERS)]
-        if smooth > 0:
+        if smooth > 0 or window > 1:
             ax.plot(curve.steps, curve.raw, color=colour, alpha=RAW_ALPHA, linewidth=0.8, zorder=1,
                     label="_nolegend_", gid=f"raw:{group.name}")
         if len(group.runs) > 1:
@@ -316,21 +335,48 @@ def _draw_panel(
     style_x_axis(ax, log_x, max_step)  # sets the x limits the marker positions are spread over
     for i, line in lines.items():
         line.set_markevery(marker_indices(curves[i].steps, ax, offset=(i % 4) / 4))
+    outside = _robust_y(ax, spec, [curves[i] for i in with_data], [COLOURS[i % len(COLOURS)] for i in with_data])
     # One legend entry for each kind of mark, in neutral grey (the colour says which run).
     if seeds:
         counts = f"{min(seeds)}" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)}"
-        handles.append(Patch(color="0.35", alpha=BAND_ALPHA * 1.5, label=BAND_LABEL.format(counts)))
+        how = ", ".join(([f"means over {window} steps"] if window > 1 else [])
+                        + ([f"EMA {smooth:g}"] if smooth > 0 else []))
+        handles.append(Patch(color="0.35", alpha=BAND_ALPHA * 1.5,
+                             label=BAND_LABEL.format(counts, f" ({how})" if how else "")))
+    if outside:
+        handles.append(Line2D([], [], color="0.35", marker="^", linestyle="none", label=OUTSIDE_LABEL))
     if any_skipped:
         handles.append(Line2D([], [], color="0.35", marker="x", linestyle="none", label=SKIPPED_LABEL))
     if any_rollback:
         handles.append(Line2D([], [], color="0.35", linestyle="--", label=ROLLBACK_LABEL))
-    if spec.log_y:
-        ax.set_yscale("log")
     ax.set_ylabel(spec.ylabel)
     ax.grid(True, alpha=0.3, linewidth=0.6)
     if legend:
         ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
     return handles
+
+
+def _robust_y(ax, spec: FigureSpec, curves: list[SeedCurve], colours: list) -> bool:
+    """Set ``ax``'s y limits from the drawn curves (``robust_limits``) and mark the raw points beyond them
+    with a triangle at the edge they cross; returns whether any point was marked."""
+    if spec.log_y:
+        ax.set_yscale("log")
+    drawn = np.concatenate([np.concatenate([c.line, c.lo, c.hi]) for c in curves])
+    limits = robust_limits(drawn, log=spec.log_y)
+    if limits is None:
+        return False
+    lo, hi = limits
+    ax.set_ylim(lo, hi)
+    marked = False
+    for curve, colour in zip(curves, colours):
+        for values, edge, mark in ((curve.raw, hi, "^"), (curve.raw, lo, "v")):
+            beyond = values > edge if mark == "^" else values < edge
+            if beyond.any():
+                marked = True
+                ax.plot(curve.steps[beyond], np.full(int(beyond.sum()), 0.985 if mark == "^" else 0.015),
+                        transform=ax.get_xaxis_transform(), linestyle="none", marker=mark, markersize=5,
+                        color=colour, zorder=3, clip_on=False, label="_nolegend_", gid=f"outside:{mark}")
+    return marked
 
 
 def plot_runs(
@@ -345,11 +391,12 @@ def plot_runs(
     unit: str = "bits",
     bands: bool = False,
     extra: bool = False,
+    window: int = 1,
 ) -> list[Path]:
     """Draw the study's figures for ``runs`` into ``out_dir``; returns the written files.
 
-    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands`` and ``extra``:
-    see make_figures.
+    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands``, ``extra`` and
+    ``window``: see make_figures.
     """
     formats = [f.lower().lstrip(".") for f in formats]
     supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
@@ -357,7 +404,7 @@ def plot_runs(
         if f not in supported:
             raise ValueError(f"unknown figure format {f!r}; choose from: {', '.join(sorted(supported))}")
     figures = make_figures(runs, labels=labels, smooth=smooth, log_x=log_x, codebooks=codebooks, unit=unit,
-                           bands=bands, extra=extra)
+                           bands=bands, extra=extra, window=window)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -387,6 +434,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="EMA smoothing in [0, 1), raw curve drawn faint behind (default 0: off)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        metavar="N",
+        help="window means over N steps, as fairseq logs a run (default 1: as logged)",
     )
     p.add_argument(
         "--log-x",
@@ -446,6 +500,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                 unit=args.unit,
                 bands=args.bands,
                 extra=args.extra,
+                window=args.window,
             )
         except (FileNotFoundError, ValueError) as e:
             _print_warnings(caught)

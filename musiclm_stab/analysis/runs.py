@@ -101,6 +101,11 @@ class RunMetrics:
     )  # metric -> (steps, values)
     skipped_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     rollbacks: list[Rollback] = field(default_factory=list)
+    # First step of the kept history at which fp16's loss scale hit its floor (a ``min_loss_scale`` event):
+    # the run diverged there and its metrics stop. None: no such event.
+    diverged_at: int | None = None
+    # metric -> steps at which it was logged non-finite (left out of ``series``; the spike rule needs them)
+    nonfinite: dict[str, np.ndarray] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     unit: str = "bits"  # unit of the loss series as held here
     logged_unit: str = "bits"  # unit the run logged its losses in (its train.loss_unit)
@@ -132,10 +137,12 @@ def _as_step(value: Any) -> int | None:
     return int(value) if value >= 0 else None
 
 
-def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback]]:
-    """Metric rows (the final history only, ascending steps) and rollback events of a metrics.jsonl."""
+def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback], int | None]:
+    """Metric rows (the final history only, ascending steps), rollback events and the step of the first
+    ``min_loss_scale`` event of that history (None without one) of a metrics.jsonl."""
     rows: dict[int, dict] = {}  # step -> row; insertion order is ascending step
     rollbacks: list[Rollback] = []
+    diverged_at: int | None = None
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -157,14 +164,18 @@ def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback]
                     rb = Rollback(step, _as_step(row.get("to_step")), str(row.get("reason", "")))
                     if all((r.step, r.to_step) != (rb.step, rb.to_step) for r in rollbacks):
                         rollbacks.append(rb)
+                elif row["event"] == "min_loss_scale" and diverged_at is None:
+                    diverged_at = step
                 continue
+            if diverged_at is not None and step < diverged_at:
+                diverged_at = None  # logging restarted before the event (a resume): that branch was abandoned
             # A step at or before the last one means logging restarted there (a resume from a
             # checkpoint, or a rollback): the later rows win, and rows of the abandoned branch from
             # that step on are dropped, so the curve shows the history the final model followed.
             while rows and next(reversed(rows)) >= step:
                 rows.popitem()
             rows[step] = row
-    return list(rows.values()), rollbacks
+    return list(rows.values()), rollbacks, diverged_at
 
 
 def _is_number(value: Any) -> bool:
@@ -184,8 +195,10 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
     the metrics file (missing, empty, malformed lines) are PlotWarnings, also kept in ``.warnings``.
     Non-finite values are left out of the series; steps with a non-finite loss or grad norm, and
     steps logged with ``skipped_step`` > 0 (a 0/1 flag, or a count when a row covers several
-    steps), are in ``skipped_steps``. fp16 grad-scaler overflows (``overflow_step``) are not marked:
-    they are the scaler's routine calibration, not instability.
+    steps), are in ``skipped_steps``; every metric's non-finite steps are in ``nonfinite``. fp16
+    grad-scaler overflows (``overflow_step``) are not marked: they are the scaler's routine calibration,
+    not instability. A ``min_loss_scale`` event (fp16's loss scale at its floor: the run diverged) sets
+    ``diverged_at``.
     """
     path = Path(run_dir)
     if not path.is_dir():
@@ -211,12 +224,13 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
     if not metrics_path.is_file():
         plot_warning(f"{metrics_path} is missing: run {run.name!r} has no lines in any figure", run.warnings)
         return run.in_unit(unit)
-    rows, run.rollbacks = _read_rows(metrics_path, run.warnings)
+    rows, run.rollbacks, run.diverged_at = _read_rows(metrics_path, run.warnings)
     if not rows:
         plot_warning(f"{metrics_path} has no metric rows: run {run.name!r} has no lines in any figure", run.warnings)
         return run.in_unit(unit)
 
     points: dict[str, tuple[list[int], list[float]]] = {}
+    bad: dict[str, list[int]] = {}
     skipped: list[int] = []
     for row in rows:
         step = int(row["step"])
@@ -227,6 +241,7 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
             value = float(value)
             if not math.isfinite(value):
                 nonfinite = nonfinite or key in ("loss", "grad_norm")
+                bad.setdefault(key, []).append(step)
                 continue
             steps, values = points.setdefault(key, ([], []))
             steps.append(step)
@@ -238,6 +253,7 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
         k: (np.asarray(s, dtype=np.int64), np.asarray(v, dtype=np.float64)) for k, (s, v) in points.items()
     }
     run.skipped_steps = np.asarray(skipped, dtype=np.int64)
+    run.nonfinite = {k: np.asarray(v, dtype=np.int64) for k, v in bad.items()}
     return run.in_unit(unit)
 
 

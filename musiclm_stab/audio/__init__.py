@@ -4,6 +4,9 @@
   own sample rate (``open_audio``, ``array_reader``, ``AudioReader``, ``list_audio_files``); what counts
   as a bad input (``AudioError`` and ``FAILURE_KINDS``) or as odd but usable audio (``AudioWarning``
   and ``WARNING_KINDS``).
+- ``container``: the length a file's container declares, read from the file itself (WAV, RF64, W64,
+  AIFF, AU data sizes; Ogg end-of-stream pages; a FLAC sample count left at 0), which ``open_audio``
+  compares with what is on disk.
 - ``stream``: what is done with the blocks: ``scan`` (one checking pass and the peak policy,
   ``AudioStats``), ``StreamResampler`` and ``resampled_blocks`` (24 kHz block by block), and the
   whole-waveform helpers ``load_audio``, ``decode_bytes`` and ``from_array``.

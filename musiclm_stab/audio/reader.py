@@ -9,17 +9,19 @@ lists a folder's audio files. What is done with the blocks (checking, resampling
 ``musiclm_stab.audio.stream``.
 
 Anything that cannot become a usable waveform raises ``AudioError`` with the source, a reason, and a
-``kind`` (one of ``FAILURE_KINDS``), so callers can skip the file and report it. What is odd but still
+``kind`` (one of ``FAILURE_KINDS``), so callers can skip the file and report it. A file cut short is
+found from what its container declares (``musiclm_stab.audio.container``) or, for FLAC, OGG and MP3,
+from the decoded length (``AudioReader.blocks``). What is odd but still
 usable audio is kept and reported as an ``AudioWarning`` (one of ``WARNING_KINDS``): the reader collects
 them in ``AudioReader.warnings``, and ``scan`` returns them in ``AudioStats.warnings``.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import stat
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,8 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from musiclm_stab.audio.container import Container, PatchedSoundFile, read_container
+
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".aiff", ".aif", ".au")
 FAILURE_KINDS = {
     "missing": "the file does not exist (or is a broken link)",
@@ -35,10 +39,13 @@ FAILURE_KINDS = {
     "empty": "0 bytes",
     "not_audio": "not a format libsndfile recognises",
     "corrupt": "recognised, but the header or the encoded data is damaged",
-    "truncated": "the data ends before the length the header declares: WAV, FLAC, AIFF and AU by any "
-                 "amount; OGG and MP3 (lengths from page granules or frame estimates) by more than "
-                 "max(0.5 s, 1%) of it (a smaller shortfall is the warning length_mismatch)",
+    "truncated": "the data ends before the length the container declares: WAV (any kind), RF64, W64, AIFF, "
+                 "AU and FLAC by any whole sample; OGG and MP3 (lengths from page granules or frame counts) "
+                 "by more than min(0.5 s, 5%) of it (a smaller shortfall is the warning length_mismatch); or "
+                 "an OGG stream with no end-of-stream page",
     "no_samples": "a valid file with no samples",
+    "bad_sample_rate": "a sample rate outside MIN_SAMPLE_RATE..MAX_SAMPLE_RATE (1 kHz to 768 kHz): a damaged "
+                       "header, or not audio the pipeline can use",
     "non_finite": "NaN or inf samples",
     "silent": "peak below the silence threshold (tokenizer policy)",
     "too_short": "shorter than min_seconds, or no whole 320-sample frame at 24 kHz (tokenizer policy)",
@@ -48,15 +55,25 @@ FAILURE_KINDS = {
 # Odd but usable audio: kept, and reported to the caller in AudioStats.warnings (see AudioWarning).
 WARNING_KINDS = {
     "length_mismatch": "the decoded length differs from the header's, short by at most the OGG/MP3 "
-                       "tolerance max(0.5 s, 1%) or long by any amount: the audio is kept as decoded",
+                       "tolerance (min(0.5 s, 5%)) or long by any amount: the audio is kept as decoded",
     "over_full_scale": "float samples with a peak above MAX_PEAK (2.0, +6 dBFS), e.g. PCM stored unscaled: "
                        "the track is scaled by 1/peak to a peak of 1.0",
 }
 BLOCK_SECONDS = 10.0  # source audio decoded per block
 # OGG granule positions and MP3 frame counts are bookkeeping that real files get slightly wrong (an
-# end-of-stream mark a page early, a last granule a few samples past the data, an MP3 length estimate):
-# a shortfall up to max(0.5 s, 1%) is a warning there. WAV/FLAC/AIFF/AU state exact sample counts.
+# end-of-stream mark a page early, a last granule a few samples past the data): a shortfall of at most
+# LOOSE_LENGTH_TOLERANCE seconds, and at most LOOSE_LENGTH_FRACTION of the declared length (so that a
+# 2 s clip cannot lose a quarter of itself), is a warning there: 5% below 10 s, 0.5 s from 10 s on however
+# long the track (a one-hour MP3 may miss 0.5 s, not 36 s). An end-of-stream mark one page early loses
+# 0.06 s at 44.1 kHz (tests/test_audio_real_files.py). WAV/FLAC/AIFF/AU state exact sample counts.
 _LOOSE_LENGTH_FORMATS = ("OGG", "MP3", "MPEG")
+LOOSE_LENGTH_TOLERANCE = 0.5  # seconds
+LOOSE_LENGTH_FRACTION = 0.05
+# Sample rates outside this range are a damaged header (a WAV declaring 1,000,000,100 Hz would make the
+# resampler allocate ~10 GB; one declaring 1 Hz turns 2 s of samples into 13 hours at 24 kHz). 8 kHz is the
+# lowest rate recordings use (telephony; 1 kHz leaves room for odd old formats); 768 kHz is the highest PCM
+# rate audio interfaces and editors offer (4 x 192 kHz). Checked right after the header is read.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 768_000
 
 
 class AudioError(ValueError):
@@ -90,11 +107,11 @@ class AudioWarning:
 class AudioReader:
     """An opened audio source at its own sample rate, read from the start in mono blocks.
 
-    ``frames`` is the length the header declares (for WAV, the data chunk's size even when libsndfile
-    would silently shorten it to what is on disk). Iterate ``blocks()`` as often as needed; each
-    pass decodes again, so memory holds one block, never the track. ``warnings`` collects what the
-    passes found odd but usable (each kind once); ``gain`` is the scale ``resampled_blocks`` applies
-    (``scan`` lowers it for float audio far above full scale).
+    ``frames`` is the length libsndfile reports from the header (a container cut short is refused by
+    ``open_audio`` before this: ``musiclm_stab.audio.container``). Iterate ``blocks()`` as often as
+    needed; each pass decodes again, so memory holds one block, never the track. ``warnings`` collects
+    what the passes found odd but usable (each kind once); ``gain`` is the scale ``resampled_blocks``
+    applies (``scan`` lowers it for float audio far above full scale).
     """
 
     def __init__(self, name: str, sample_rate: int, frames: int, channels: int,
@@ -119,8 +136,9 @@ class AudioReader:
 
         Length rule, checked when the decoder reports the end: a shortfall against ``frames`` fails as
         ``truncated`` if it is more than the format's tolerance (0 for WAV, FLAC, AIFF, AU; for OGG and
-        MP3 max(0.5 s, 1%) of ``frames``); a smaller shortfall, or more samples than declared, keeps
-        the audio as decoded and records the warning ``length_mismatch``.
+        MP3 ``loose_tolerance(frames, rate)``: at most 0.5 s, and at most 5% of ``frames``); a smaller
+        shortfall, or more samples than declared, keeps the audio as decoded and records the warning
+        ``length_mismatch``.
         """
         block_frames = block_frames or int(BLOCK_SECONDS * self.sample_rate)
         if self._array is not None:
@@ -170,7 +188,7 @@ class AudioReader:
         if missing == 0:
             return
         loose = fmt in _LOOSE_LENGTH_FORMATS
-        tolerance = max(self.sample_rate // 2, self.frames // 100) if loose else 0
+        tolerance = loose_tolerance(self.frames, self.sample_rate) if loose else 0
         declared, ends = _two_durations(self.frames, done, self.sample_rate)
         what = (f"the header declares {declared} but the data ends at {ends} ({done} of {self.frames} "
                 f"samples; {_amount(abs(missing), self.sample_rate)} {'short' if missing > 0 else 'over'}")
@@ -191,6 +209,14 @@ class AudioReader:
         self.close()
 
 
+def loose_tolerance(frames: int, sample_rate: int) -> int:
+    """Samples an OGG or MP3 stream of ``frames`` declared samples may fall short of them and still be kept
+    (with the warning ``length_mismatch``): LOOSE_LENGTH_TOLERANCE seconds, or LOOSE_LENGTH_FRACTION of the
+    declared length if that is less. An absolute bound, so that a long track cannot lose more than a
+    short one; the fraction, so that a short clip cannot lose most of itself."""
+    return min(int(LOOSE_LENGTH_TOLERANCE * sample_rate), int(LOOSE_LENGTH_FRACTION * frames))
+
+
 def _two_durations(a: int, b: int, rate: int) -> tuple[str, str]:
     """Two sample counts as seconds, with enough decimals (2 to 6) to tell different counts apart."""
     digits = 2
@@ -209,13 +235,24 @@ def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioRead
 
     Checks, in order: the path exists (``missing``), is a regular file that can be opened
     (``unreadable``), has bytes (``empty``), is a format libsndfile knows (``not_audio``) with a sound
-    header (``corrupt``), declares samples (``no_samples``), and for WAV is not cut short (``truncated``).
+    header (``corrupt``) and a sample rate in MIN_SAMPLE_RATE..MAX_SAMPLE_RATE (``bad_sample_rate``),
+    holds all the data its container declares (``truncated``: see ``musiclm_stab.audio.container``),
+    and declares samples (``no_samples``). A length the writer left unstated (a streamed WAV's data size
+    0, a pipe-encoded FLAC's sample count 0) is taken from the file, not refused.
     """
     if isinstance(source, bytes):
         name = name or "<bytes>"
         if not source:
             raise AudioError(name, "empty audio bytes (0 bytes)", "empty")
-        return _open_soundfile(lambda: sf.SoundFile(io.BytesIO(source)), name, source[:65536], len(source))
+        data = source
+
+        def from_bytes(patch: tuple[int, bytes] | None) -> sf.SoundFile:
+            if patch is None:
+                return sf.SoundFile(io.BytesIO(data))
+            at, field = patch
+            return sf.SoundFile(io.BytesIO(data[:at] + field + data[at + len(field) :]))
+
+        return _open_soundfile(from_bytes, name, data[:64], read_container(io.BytesIO(data), len(data)))
     path = Path(source)
     name = name or str(path)
     try:
@@ -234,66 +271,85 @@ def open_audio(source: str | Path | bytes, name: str | None = None) -> AudioRead
         raise AudioError(name, "empty file (0 bytes)", "empty")
     try:  # open it ourselves first: libsndfile reports a permission error as a vague "System error"
         with open(path, "rb") as f:
-            head = f.read(65536)
+            head = f.read(64)
+            container = read_container(f, st.st_size)
     except OSError as e:
         raise AudioError(name, f"cannot open the file: {e.strerror or e}", "unreadable") from None
-    return _open_soundfile(lambda: sf.SoundFile(str(path)), name, head, st.st_size)
+
+    def from_path(patch: tuple[int, bytes] | None) -> sf.SoundFile:
+        return sf.SoundFile(str(path)) if patch is None else PatchedSoundFile(path, patch)
+
+    return _open_soundfile(from_path, name, head, container)
 
 
-def _open_soundfile(opener: Callable[[], sf.SoundFile], name: str, head: bytes, size: int) -> AudioReader:
-    """Open the source with ``opener`` (called again for each later pass) and check its header."""
+_OPEN_ERRORS = (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError, OSError)
+
+
+def _open_soundfile(opener: Callable[[tuple[int, bytes] | None], sf.SoundFile], name: str, head: bytes,
+                    container: Container | None) -> AudioReader:
+    """Open the source with ``opener`` (called again for each later pass, with the container's patch if
+    it has one) and check its header against what the container declares."""
     try:
-        f = opener()
-    except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as e:
+        f = opener(None)
+    except _OPEN_ERRORS as e:
         unknown = "Format not recognised" in str(e) or not _looks_like_audio(head)
         kind = "not_audio" if unknown else "corrupt"
         what = "not a readable audio file" if unknown else "a damaged audio file"
         raise AudioError(name, f"{what} ({'unknown format' if unknown else 'header unreadable'}): {e}",
                          kind) from None
-    frames = f.frames
-    if f.samplerate <= 0 or f.channels <= 0:
+    rate, channels, fmt = f.samplerate, f.channels, f.format
+    if channels <= 0:
         f.close()
-        raise AudioError(name, f"invalid header: {f.samplerate} Hz, {f.channels} channels", "corrupt")
-    if f.format == "WAV":
-        declared = _wav_declared_frames(head, size)
-        if declared is not None and declared[0] > declared[1]:
+        raise AudioError(name, f"invalid header: {rate} Hz, {channels} channels", "corrupt")
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        f.close()
+        raise AudioError(name, f"the header's sample rate {rate} Hz is outside {MIN_SAMPLE_RATE}.."
+                         f"{MAX_SAMPLE_RATE} Hz (a damaged header?)", "bad_sample_rate")
+    if container is not None:
+        why = container.problem and f"a damaged {container.format} file: {container.problem}"
+        if why:
             f.close()
-            want, has = _two_durations(declared[0], declared[1], f.samplerate)
-            raise AudioError(name, f"truncated: the header declares {want} but the file holds {has} "
-                             f"({declared[1]} of {declared[0]} samples)", "truncated")
-    if frames == 0:
+            raise AudioError(name, why, "corrupt")
+        why = _truncation(container, f.frames, rate)
+        if why:
+            f.close()
+            raise AudioError(name, f"truncated: {why}", "truncated")
+    reopen = functools.partial(opener, container.patch if container is not None else None)
+    if container is not None and container.patch is not None:
+        f.close()
+        try:
+            f = reopen()
+        except _OPEN_ERRORS as e:
+            raise AudioError(name, f"a damaged {fmt} file: reading it with {container.patched} fails: {e}",
+                             "corrupt") from None
+    if f.frames == 0:
         f.close()
         raise AudioError(name, "no audio samples (0 samples)", "no_samples")
-    return AudioReader(name, f.samplerate, frames, f.channels, soundfile=f, reopen=opener)
+    return AudioReader(name, rate, f.frames, channels, soundfile=f, reopen=reopen)
 
 
-_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"fLaC", b"OggS", b"ID3", b"FORM", b".snd", b"\xff\xfb", b"\xff\xf3",
-          b"\xff\xf2", b"\xff\xfa")
+def _truncation(c: Container, frames: int, rate: int) -> str:
+    """Why the container shows the file cut short, or "" (``frames``: what libsndfile found in it)."""
+    if c.unended:
+        return (f"the {c.format} stream ends without an end-of-stream page: it was cut short "
+                f"({frames / rate:.2f} s are left)")
+    if not c.short_by:
+        return ""
+    if c.frame_bytes:
+        want, has = c.declared // c.frame_bytes, c.present // c.frame_bytes
+        declared, holds = _two_durations(want, has, rate)
+        return f"the {c.format} header declares {declared} but the file holds {holds} ({has} of {want} " \
+            "samples)"
+    return (f"the {c.format} header declares {c.declared} bytes of audio data but the file holds "
+            f"{c.present} ({100 * c.present / c.declared:.1f}%)")
+
+
+_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"BW64", b"riff", b"fLaC", b"OggS", b"ID3", b"FORM", b".snd", b"dns.",
+          b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"\xff\xfa")
 
 
 def _looks_like_audio(head: bytes) -> bool:
     return head.startswith(_MAGIC)
-
-
-def _wav_declared_frames(head: bytes, size: int) -> tuple[int, int] | None:
-    """(frames the RIFF data chunk declares, frames actually in the file), or None if unknown.
-
-    libsndfile shortens a truncated WAV to what is on disk without a word; the data chunk's size field
-    still says how long it was meant to be. Streaming writers leave that field 0 or 0xFFFFFFFF.
-    """
-    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return None
-    pos, block_align = 12, None
-    while pos + 8 <= len(head):
-        chunk, length = head[pos : pos + 4], struct.unpack("<I", head[pos + 4 : pos + 8])[0]
-        if chunk == b"fmt " and pos + 22 <= len(head):
-            block_align = struct.unpack("<H", head[pos + 20 : pos + 22])[0]
-        if chunk == b"data":
-            if not block_align or length in (0, 0xFFFFFFFF):
-                return None
-            return length // block_align, max(0, size - pos - 8) // block_align
-        pos += 8 + length + (length & 1)
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,6 +359,9 @@ def _wav_declared_frames(head: bytes, size: int) -> tuple[int, int] | None:
 def array_reader(array: np.ndarray | torch.Tensor, sample_rate: int, name: str = "<array>") -> AudioReader:
     """An AudioReader over a waveform already in memory: [S], or 2-D with channels on the shorter
     axis ([S, C] as soundfile returns it, [C, S] as torch code holds it). Integer PCM is scaled to [-1, 1]."""
+    if not MIN_SAMPLE_RATE <= int(sample_rate) <= MAX_SAMPLE_RATE:
+        raise AudioError(name, f"sample rate {sample_rate} Hz is outside {MIN_SAMPLE_RATE}.."
+                         f"{MAX_SAMPLE_RATE} Hz", "bad_sample_rate")
     wave = torch.as_tensor(np.asarray(array))
     if wave.dtype in (torch.int16, torch.int32, torch.int8, torch.uint8):
         wave = _int_to_float(wave)
@@ -315,8 +374,6 @@ def array_reader(array: np.ndarray | torch.Tensor, sample_rate: int, name: str =
         wave = wave.mean(dim=channel_axis)  # (S,)
     elif wave.dim() != 1:
         raise AudioError(name, f"expected a waveform of shape [S] or [S, C], got {tuple(wave.shape)}", "bad_row")
-    if int(sample_rate) <= 0:
-        raise AudioError(name, f"invalid sample rate {sample_rate}", "bad_row")
     if wave.numel() == 0:
         raise AudioError(name, "no audio samples (0 samples)", "no_samples")
     return AudioReader(name, int(sample_rate), wave.numel(), 1, array=wave.numpy())

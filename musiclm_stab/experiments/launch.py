@@ -77,18 +77,24 @@ def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | 
 
 def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS) -> Path:
     """The default corpus (``num_tracks`` Bach chorales), its EnCodec weights and its tokens under ``work``,
-    each made only when missing; returns the tokenized folder."""
+    each made only when missing; returns the tokenized folder (``default_corpus_tokens`` for the default 24
+    tracks, ``chorales{num_tracks}_tokens`` otherwise; the weights are fitted on the 24-track corpus's
+    first 600 s either way, so every corpus size shares them)."""
     from musiclm_stab.corpus.build import build_corpus
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    banner(f"data 1/3: default corpus ({num_tracks} Bach chorales rendered with a General MIDI soundfont)")
-    corpus_dir = work / "default_corpus"
+    name = "default_corpus" if num_tracks == DEFAULT_NUM_TRACKS else f"chorales{num_tracks}"
+    banner(f"data 1/3: corpus ({num_tracks} Bach chorales rendered with a General MIDI soundfont)")
+    corpus_dir = work / name
     build_corpus(corpus_dir, num_tracks=num_tracks, seed=0)
     banner("data 2/3: EnCodec weights")
-    weights, note = ensure_weights(corpus_dir, work)
+    weights_corpus = work / "default_corpus"
+    if num_tracks != DEFAULT_NUM_TRACKS:  # the same weights as the default corpus's: its first 24 tracks
+        build_corpus(weights_corpus, num_tracks=DEFAULT_NUM_TRACKS, seed=0)
+    weights, note = ensure_weights(weights_corpus, work)
     banner("data 3/3: tokenize")
-    return ensure_tokens(corpus_dir, work / "default_corpus_tokens", weights, note)
+    return ensure_tokens(corpus_dir, work / f"{name}_tokens", weights, note)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,8 +130,9 @@ def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (),
 
 
 def run_state(cfg: Config) -> str:
-    """What ``cfg.run_dir`` holds: ``new`` (nothing), ``done`` (this config, trained to its last step),
-    ``partial`` (this config, interrupted: resume it) or ``other`` (another config: never overwritten)."""
+    """What ``cfg.run_dir`` holds: ``new`` (nothing), ``done`` (this config, trained to its last step, or
+    ended by fp16's loss-scale floor: diverged, a result), ``partial`` (this config, interrupted: resume it) or
+    ``other`` (another config: never overwritten)."""
     from musiclm_stab.analysis.runs import read_run
 
     saved = cfg.run_dir / "config.yaml"
@@ -136,7 +143,8 @@ def run_state(cfg: Config) -> str:
     if not (cfg.run_dir / "metrics.jsonl").is_file():
         return "partial"
     last = min(cfg.train.max_steps, cfg.train.stop_at or cfg.train.max_steps)
-    return "done" if read_run(cfg.run_dir).last_step == last else "partial"
+    run = read_run(cfg.run_dir)
+    return "done" if run.last_step == last or getattr(run, "diverged_at", None) is not None else "partial"
 
 
 def add_job_options(p: argparse.ArgumentParser, threads_help: str = "") -> None:

@@ -52,20 +52,30 @@ from musiclm_stab.experiments.study_plan import (
     ORDERS,
     SCALES,
     Study,
+    STUDY_RECIPES,
     claims_command,
+    figure_runs,
     plan_study,
     plot_command,
 )
+from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 
 
-def summarize(run_dir: Path, last: int = 10) -> dict:
-    """Numbers for the progress report: final loss (mean of the last ``last`` logged), grad-norm range."""
+def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan) -> dict:
+    """One run's row of summary.json and the progress report: its lr, precision and seed; final losses
+    (training: mean of the last ``last`` logged; held-out: the last evaluation) beside the held-out unigram
+    level it is judged against; grad-norm range; skipped and overflowed updates; divergence."""
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
-    train = run.config.get("train") or {}
-    out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "steps": run.last_step,
-           "skipped_steps": int(len(run.skipped_steps))}
+    train, optim = run.config.get("train") or {}, run.config.get("optim") or {}
+    out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "lr": optim.get("lr"),
+           "precision": train.get("mixed_precision"),
+           "fp16_mode": train.get("fp16_mode") if train.get("mixed_precision") == "fp16" else None,
+           "steps": run.last_step, "skipped_steps": int(len(run.skipped_steps)),
+           "diverged_at": getattr(run, "diverged_at", None), "unigram_eval_cb0": unigram_eval_cb0}
+    overflow = run.metric("overflow_step")
+    out["overflow_steps"] = int(overflow[1].sum()) if overflow else 0
     for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0"),
                         ("eval_loss", "eval/loss"), ("eval_cb0", "eval/acoustic_mlm_loss/cb0")):
         series = run.metric(metric)
@@ -82,17 +92,17 @@ def summarize(run_dir: Path, last: int = 10) -> dict:
 
 def format_summary(rows: list[dict]) -> str:
     head = (
-        f"{'run':<44} {'seed':>4} {'steps':>5} {'loss first->final':>19} {'cb0':>7} {'eval cb0':>8} "
-        f"{'grad norm min..max@step (final)':>33} {'skipped':>7}"
+        f"{'run':<44} {'lr':>7} {'seed':>4} {'steps':>5} {'loss first->final':>19} {'cb0':>7} {'eval cb0':>8} "
+        f"{'(unigram)':>9} {'grad norm min..max@step (final)':>33} {'overflow':>8} {'diverged':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['label']:<44} {r.get('seed') or 0:>4} {r['steps'] or 0:>5} {r['first_loss']:>8.3f} -> "
-            f"{r['final_loss']:>7.3f} {r['final_cb0']:>7.3f} {r['final_eval_cb0']:>8.3f} "
+            f"{r['label']:<44} {r.get('lr') or 0:>7.2g} {r.get('seed') or 0:>4} {r['steps'] or 0:>5} "
+            f"{r['first_loss']:>8.3f} -> {r['final_loss']:>7.3f} {r['final_cb0']:>7.3f} {r['final_eval_cb0']:>8.3f} "
+            f"{r['unigram_eval_cb0']:>9.3f} "
             f"{r['grad_norm_min']:>9.2f} ..{r['grad_norm_max']:>7.2f}@{r['grad_norm_max_step'] or 0:<5} "
-            f"({r['grad_norm_final']:>6.2f}) "
-            f"{r['skipped_steps']:>7}"
+            f"({r['grad_norm_final']:>6.2f}) {r['overflow_steps']:>8} {r['diverged_at'] or '-':>8}"
         )
     return "\n".join(lines)
 
@@ -100,21 +110,37 @@ def format_summary(rows: list[dict]) -> str:
 PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
 
 
-def probe_study(study: Study, progress: bool = True, jobs: int = 1) -> Path:
-    """Linear pitch probes of the final checkpoint of seed 0 of each configuration, each against its own
-    random init, and their figure (``probe.png`` in the study's figures folder); returns the figure.
+def probe_targets(study: Study, rows: list[dict]) -> list[Path]:
+    """The runs the study probes: the first seed of each configuration at the figure lr, and of the best
+    (configuration, lr) by mean final held-out codebook-0 loss (the "learns" check's run), if another."""
+    first = study.seeds[0]
+    dirs = [run.config().run_dir for run in figure_runs(study) if run.seed == first]
+    by_cell: dict[tuple, list[float]] = {}
+    for run, row in zip(study.runs, rows):
+        if run.stem in STUDY_RECIPES and math.isfinite(row.get("final_eval_cb0", math.nan)):
+            by_cell.setdefault((run.stem, run.lr), []).append(row["final_eval_cb0"])
+    if by_cell:
+        stem, lr = min(by_cell, key=lambda cell: sum(by_cell[cell]) / len(by_cell[cell]))
+        best = [run.config().run_dir for run in study.runs if (run.stem, run.lr, run.seed) == (stem, lr, first)]
+        dirs += [d for d in best if d not in dirs]
+    return dirs
 
-    Seed 0 only, one task, one baseline and one L2 penalty (0.01, as the committed CPU study was probed;
-    ``musiclm-stab probe`` chooses among four by inner cross-validation, four times the fits) bound its
-    cost (timed in ``timing.json``). Each probed run gets RUN/probe/probe.json, which the claims table reads
-    for its probe column (one value per configuration: seed 0's). ``jobs`` runs are probed at a time.
+
+def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int = 1) -> Path:
+    """Linear pitch probes of the final checkpoints of ``probe_targets``, each against its own random
+    init, and their figure (``probe.png`` in the study's figures folder); returns the figure.
+
+    One task, one baseline and one L2 penalty (0.01; ``musiclm-stab probe`` chooses among four by inner
+    cross-validation, four times the fits) bound its cost (timed in ``timing.json``). Each probed run gets
+    RUN/probe/probe.json, which the claims table reads ("learns", the probe column). ``jobs`` runs are
+    probed at a time.
     """
     from musiclm_stab.analysis.probe import probe_runs
     from musiclm_stab.analysis.probe_figure import save_probe_figure
 
-    dirs = [run.config().run_dir for run in study.runs if run.seed == 0]
-    print(f"\n=== linear probes (pitch, against random init) of seed 0 of each configuration: {len(dirs)} runs",
-          flush=True)
+    dirs = probe_targets(study, rows)
+    print(f"\n=== linear probes (pitch, against random init) of the first seed of each configuration at the "
+          f"figure lr and of the best one: {len(dirs)} runs", flush=True)
     results = probe_runs(dirs, jobs=jobs, progress=progress, **PROBE)
     return save_probe_figure(results, study.figures_dir / "probe.png")
 
@@ -137,17 +163,23 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     needs the corpus's labels.jsonl.
     """
     from musiclm_stab.analysis.claims import write_claims
+    from musiclm_stab.analysis.lr_figure import save_lr_figure
     from musiclm_stab.analysis.plot import plot_runs, run_label
 
     accelerate = accelerate or accelerate_executable()
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    from musiclm_stab.analysis.unigram import unigram_eval_loss
+
     configs = [run.config() for run in study.runs]
     for cfg in configs:  # refuse before training anything
         if run_state(cfg) == "other":
             raise ConfigError(
                 f"{cfg.run_dir} holds a run with another config; remove it or choose another --runs / --name"
             )
+    # the level every run's held-out codebook-0 loss is judged against (the same data, split and masks)
+    unigram = unigram_eval_loss(configs[0])["unigram_eval_cb0"]
+    print(f"held-out unigram level (codebook 0, training split's frequencies): {unigram:.3f} bits", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -179,7 +211,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     def finish(i: int, proc: subprocess.Popen, started: float, log) -> None:
         if log is not None:
             log.close()
-        if proc.returncode != 0:
+        if proc.returncode not in (0, EXIT_DIVERGED):  # a diverged run (fp16 loss scale at its floor) is a result
             for other, (p, _, lg) in active.items():  # stop the others: the study is incomplete anyway
                 if other != i and p.poll() is None:
                     p.terminate()
@@ -188,7 +220,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
                     lg.close()
             raise subprocess.CalledProcessError(proc.returncode, proc.args)
         cfg = configs[i]
-        rows[i] = r = summarize(cfg.run_dir)
+        rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
         walls[cfg.run_dir.name] = took = time.time() - started
         done = len(rows)
         left = (time.time() - t0) / done * (n - done) if done else 0.0
@@ -215,16 +247,19 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     train_wall, train_cpu = time.time() - t0, _children_cpu_s() - cpu0
 
     run_dirs = [cfg.run_dir for cfg in configs]
+    summary = [rows[i] for i in range(n)]
     t_probe = time.time()
-    written = [probe_study(study, jobs=jobs)] if probe else []
+    written = [probe_study(study, summary, jobs=jobs)] if probe else []
     probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
-    written += plot_runs(run_dirs, study.figures_dir, smooth=study.smooth, bands=True, extra=True, formats=formats)
-    summary = [rows[i] for i in range(n)]
+    shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
+    written += plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats)
+    if study.lrs:
+        written += save_lr_figure(run_dirs, study.figures_dir, unigram_eval_cb0=unigram, formats=formats)
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
     try:
-        md, js = write_claims(run_dirs, study.figures_dir)
+        md, js = write_claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
         written += [md, js]
         print("\n" + md.read_text())
     except ValueError as e:  # e.g. a study of fewer configurations: figures without the claims table
@@ -256,7 +291,12 @@ def cli_main(argv: list[str] | None = None) -> int:
         help="print the accelerate launch lines and the plot and claims lines (for a cluster), run nothing",
     )
     p.add_argument("--steps", type=int, help="train.max_steps of every run (default: the scale's)")
-    p.add_argument("--seeds", type=int, help="seeds per configuration, 0..N-1 (default: cpu 3, gpu 1, full 1)")
+    p.add_argument("--seeds", type=int, help="seeds per configuration and lr (default: cpu 3, gpu 1, full 1)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds are first-seed .. first-seed + seeds - 1 (default 0; pilot runs use others, e.g. 100)")
+    p.add_argument("--lrs", type=float, nargs="*",
+                   help="the peak learning rates of the grid (default: the scale's, study_plan.LR_GRIDS; none: the recipes')")
+    p.add_argument("--no-control", action="store_true", help="without the QK-norm control at the top rates")
     p.add_argument("--order", choices=ORDERS, default="paired",
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
     p.add_argument("--jobs", type=int,
@@ -281,7 +321,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     elif data is None and args.scale != "full":
         data = str(Path(args.work) / "default_corpus_tokens")
     try:
-        study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order)
+        study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order,
+                           lrs=None if args.lrs is None else tuple(args.lrs), first_seed=args.first_seed,
+                           control=not args.no_control)
         threads = args.threads if args.scale == "cpu" and args.threads > 0 else None
         if args.print_only:
             env = f"OMP_NUM_THREADS={threads} " if threads else ""

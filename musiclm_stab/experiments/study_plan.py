@@ -1,6 +1,7 @@
-"""The study's plan: its four configurations (recipes/study_*.yaml) with each scale's overlays, seeds and
-data orders, as run directories and launch lines; ``musiclm-stab study`` (experiments/study.py) runs it.
-The scales, seeds and orders are described there."""
+"""The study's plan: its four configurations (recipes/study_*.yaml) with each scale's overlays, its
+learning-rate grid, seeds and data orders, and the QK-norm positive control at the top rates, as run
+directories and launch lines; ``musiclm-stab study`` (experiments/study.py) runs it. The scales, grids,
+seeds and orders are described there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from musiclm_stab.config import Config, load_config
 from musiclm_stab.experiments.launch import RECIPES, as_overrides, launch_command, shown
+from musiclm_stab.experiments.sweep_report import lr_text
 
 # The study's runs in legend order: colour i of analysis/style.COLOURS is run i (blue, orange, green, pink).
 STUDY_RECIPES = (
@@ -17,6 +19,12 @@ STUDY_RECIPES = (
     "study_postnorm_deepnorm_clip1",
     "study_prenorm_attnrelax_clip1",
 )
+# The positive control: Pre-Norm clip 1 with QK-norm (which bounds the attention logits; Wortsman et al. 2023),
+# run at the grid's highest CONTROL_LRS rates only, where the plain runs may diverge.
+CONTROL = "study_prenorm_qknorm_clip1"
+CONTROL_BASE = "study_prenorm_clip1_run2"
+CONTROL_OVERRIDES = ("--model.qk_norm=true", "--train.run=1")
+CONTROL_LRS = 2
 FULL_FIGURES = "study_figures"  # <runs>/study_figures for --scale full
 SCALES = ("cpu", "gpu", "full")
 OVERLAYS = RECIPES / "overlays"
@@ -31,10 +39,15 @@ CPU_STUDY_NAME = "study_cpu"
 DEFAULT_NAMES = {"cpu": CPU_STUDY_NAME, "gpu": "study_gpu"}
 RUN_SUFFIX = {"cpu": "tiny", "gpu": "gpu"}
 DEFAULT_SEEDS = {"cpu": 3, "gpu": 1, "full": 1}
+# Peak learning rates of each scale's grid, calm to divergent (the figures' lr is FIGURE_LR of each): cpu
+# chosen by pilot runs of other seeds (docs/STUDY.md); gpu and full: MERT-330M's 1.5e-3 and 3x, 10x it.
+LR_GRIDS: dict[str, tuple[float, ...]] = {"cpu": (3e-3, 1e-2, 3e-2), "gpu": (1.5e-3, 4.5e-3, 1.5e-2),
+                                          "full": (1.5e-3, 4.5e-3, 1.5e-2)}
+FIGURE_LR_INDEX = 1  # the seed figures draw each configuration at the grid's second-lowest lr (fixed before the runs)
 DEFAULT_JOBS = {"cpu": 2, "gpu": 1, "full": 1}
-# EMA smoothing of the figures (TensorBoard's debiased EMA): cpu logs every step of a noisy small batch,
-# the others every 10 steps.
-SMOOTH = {"cpu": 0.9, "gpu": 0.6, "full": 0.6}
+# The figures draw window means over this share of a run's steps (fairseq's log rows: it logs the mean over
+# every log_interval updates; 100 windows per run).
+WINDOW_SHARE = 0.01
 ORDERS = ("paired", "shared", "independent")
 
 
@@ -48,8 +61,9 @@ class StudyRun:
 
     configs: list[Path]  # the recipe, then overlays
     overrides: list[str]
-    stem: str = ""  # the recipe's name
+    stem: str = ""  # the recipe's name (CONTROL for the QK-norm control)
     seed: int = 0
+    lr: float | None = None  # the run's peak lr (None: the recipe's)
 
     def config(self) -> Config:
         """The resolved, validated config this run trains with."""
@@ -68,24 +82,37 @@ class Study:
     figures_dir: Path
     order: str = "paired"
     seeds: list[int] = field(default_factory=lambda: [0])
+    lrs: tuple[float, ...] = ()
 
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
 
     @property
-    def smooth(self) -> float:
-        return SMOOTH[self.scale]
+    def figure_lr(self) -> float | None:
+        """The lr the seed figures draw (FIGURE_LR_INDEX of the grid; None: a study without a grid)."""
+        return self.lrs[min(FIGURE_LR_INDEX, len(self.lrs) - 1)] if self.lrs else None
+
+    @property
+    def window(self) -> int:
+        """Steps per window mean in the figures: a hundredth of the runs' length, at least one."""
+        cfg = self.runs[0].config()
+        return max(1, int(WINDOW_SHARE * min(cfg.train.max_steps, cfg.train.stop_at or cfg.train.max_steps)))
 
 
 def order_overrides(order: str, seed: int, index: int) -> list[str]:
-    """The data.order_seed of run ``index`` (legend order) at ``seed`` under ``order`` (see the docstring)."""
+    """The data.order_seed of run ``index`` (its place in the plan) at ``seed`` under ``order`` (see study.py)."""
     if order == "paired":
-        return []  # data.order_seed unset: train.seed, the same for every configuration at this seed
+        return []  # data.order_seed unset: train.seed, the same for every configuration and lr at this seed
     if order == "shared":
         return ["--data.order_seed=0"]
     if order == "independent":
-        return [f"--data.order_seed={1000 + 10 * seed + index}"]
+        return [f"--data.order_seed={1000 + 100 * seed + index}"]
     raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
+
+
+def lr_tag(lr: float) -> str:
+    """An lr as run directories name it: 0.003 -> "lr3e-3", 0.0015 -> "lr1.5e-3" (as the sweep names its runs)."""
+    return f"lr{lr_text(lr)}"
 
 
 def plan_study(
@@ -97,12 +124,18 @@ def plan_study(
     extra: list[str] | None = None,
     seeds: int | None = None,
     order: str = "paired",
+    lrs: tuple[float, ...] | None = None,
+    first_seed: int = 0,
+    control: bool = True,
 ) -> Study:
-    """The runs of the study at ``scale``: the four configurations x ``seeds`` (the scale's default when None).
+    """The runs of the study at ``scale``: the four configurations x the lr grid x ``seeds`` seeds from
+    ``first_seed`` (the scale's defaults when None; pilots use seeds the study does not), plus the QK-norm
+    control at the grid's top CONTROL_LRS rates (``control``).
 
-    ``data`` sets data.path (the recipes' own path is a placeholder), ``steps`` train.max_steps (with the
-    warmup a tenth of it and the evaluation and diagnostics about every tenth of it, at cpu and gpu
-    scale), ``extra`` (``section.key=value``) is applied last to every run.
+    ``lrs`` sets the grid (LR_GRIDS[scale] when None; empty: the recipes' own lr, no grid). ``data`` sets
+    data.path (the recipes' own path is a placeholder), ``steps`` train.max_steps (with the warmup a tenth of
+    it and the evaluation and diagnostics about every tenth of it, at cpu and gpu scale), ``extra``
+    (``section.key=value``) is applied last to every run.
     """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
@@ -111,28 +144,37 @@ def plan_study(
     n_seeds = DEFAULT_SEEDS[scale] if seeds is None else seeds
     if n_seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {n_seeds}")
+    grid = tuple(LR_GRIDS[scale] if lrs is None else lrs)
+    if any(not lr > 0 for lr in grid):
+        raise ValueError(f"learning rates must be > 0, got {grid}")
     runs_dir = Path(runs_dir)
     out = runs_dir / (name or DEFAULT_NAMES[scale]) if scale != "full" else runs_dir
+    top = sorted(grid)[-CONTROL_LRS:] if control else []
     runs = []
-    for seed in range(n_seeds):
-        for index, stem in enumerate(STUDY_RECIPES):
-            configs = [recipe_path(stem), *SCALE_OVERLAYS[scale]]
-            if scale == "full":
-                run_name = stem if n_seeds == 1 else f"{stem}_s{seed}"
-            else:
-                run_name = f"{stem}_{RUN_SUFFIX[scale]}_s{seed}"
-            overrides = [f"--train.name={run_name}", f"--train.output_dir={out}", f"--train.seed={seed}",
-                         *order_overrides(order, seed, index)]
-            if data is not None:
-                overrides.append(f"--data.path={data}")
-            if steps is not None:
-                overrides.append(f"--train.max_steps={steps}")
-                if scale != "full":
-                    overrides += _short_run_overrides(configs, [*overrides, *as_overrides(extra or [])], steps)
-            overrides += as_overrides(extra or [])
-            runs.append(StudyRun(configs, merge_overrides(overrides), stem, seed))
+    for seed in range(first_seed, first_seed + n_seeds):
+        for lr in grid or (None,):
+            members = [(stem, recipe_path(stem), []) for stem in STUDY_RECIPES]
+            if lr in top:
+                members.append((CONTROL, recipe_path(CONTROL_BASE), list(CONTROL_OVERRIDES)))
+            for stem, recipe, own in members:
+                configs = [recipe, *SCALE_OVERLAYS[scale]]
+                parts = [stem] + ([RUN_SUFFIX[scale]] if scale != "full" else []) + (
+                    [lr_tag(lr)] if lr is not None else []) + ([f"s{seed}"] if scale != "full" or n_seeds > 1 or grid
+                                                               else [])
+                overrides = [f"--train.name={'_'.join(parts)}", f"--train.output_dir={out}", f"--train.seed={seed}",
+                             *own, *order_overrides(order, seed, len(runs))]
+                if lr is not None:
+                    overrides.append(f"--optim.lr={lr}")
+                if data is not None:
+                    overrides.append(f"--data.path={data}")
+                if steps is not None:
+                    overrides.append(f"--train.max_steps={steps}")
+                    if scale != "full":
+                        overrides += _short_run_overrides(configs, [*overrides, *as_overrides(extra or [])], steps)
+                overrides += as_overrides(extra or [])
+                runs.append(StudyRun(configs, merge_overrides(overrides), stem, seed, lr))
     figures = out / "figures" if scale != "full" else runs_dir / FULL_FIGURES
-    study = Study(scale, runs, figures, order, list(range(n_seeds)))
+    study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid)
     for run in runs:
         run.config()  # fail now, before hours of training, if any override is wrong
     return study
@@ -160,17 +202,22 @@ def merge_overrides(overrides: list[str]) -> list[str]:
     return list(merged.values())
 
 
+def figure_runs(study: Study) -> list[StudyRun]:
+    """The runs the seed figures draw: every seed of the four configurations at the study's figure lr."""
+    return [r for r in study.runs if r.stem in STUDY_RECIPES and r.lr == study.figure_lr]
+
+
 def plot_command(study: Study) -> list[str]:
     return [
         "musiclm-stab",
         "plot",
-        *(shown(d) for d in study.run_dirs()),
+        *(shown(run.config().run_dir) for run in figure_runs(study)),
         "--out",
         shown(study.figures_dir),
         "--bands",
         "--extra",
-        "--smooth",
-        str(study.smooth),
+        "--window",
+        str(study.window),
     ]
 
 

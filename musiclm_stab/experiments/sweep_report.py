@@ -16,7 +16,9 @@ DEFAULT_LAST = 10  # logged steps averaged into a run's final loss
 
 
 def lr_text(lr: float) -> str:
-    return f"{lr:.0e}".replace("e-0", "e-").replace("e+0", "e")
+    """A learning rate in short scientific notation, exactly: 0.003 -> "3e-3", 0.0015 -> "1.5e-3", 1 -> "1e0"."""
+    mantissa, exponent = f"{lr:.6e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 # ---------------------------------------------------------------------------------------------------

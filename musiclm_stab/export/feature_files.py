@@ -78,7 +78,7 @@ def write_features(
 class FolderSummary:
     written: list[dict] = field(default_factory=list)  # {"source", "output", "frames"}
     skipped: list[str] = field(default_factory=list)  # outputs that existed already
-    failed: list[dict] = field(default_factory=list)  # {"source", "reason"}
+    failed: list[dict] = field(default_factory=list)  # {"source", "kind" (audio.FAILURE_KINDS), "reason"}
 
 
 def _output_names(files: list[Path], src: Path) -> list[Path]:
@@ -106,7 +106,8 @@ def extract_folder(
     One directory per file, ``out/<relative path without suffix>/layer_XX.npy`` ([T, D]), and
     ``out/features.json`` (model, layers, settings, files, failures). Files whose directory exists are
     skipped unless ``overwrite``; an ``out`` made with other settings is refused. Unreadable audio is
-    reported in ``failed`` and the run goes on.
+    reported in ``failed`` (path, kind, reason; any other error while decoding one file is kind ``error``)
+    and the run goes on.
     """
     from musiclm_stab.audio import AudioError, list_audio_files, load_audio
 
@@ -153,7 +154,11 @@ def extract_folder(
         try:
             wav = load_audio(path)
         except AudioError as e:
-            summary.failed.append({"source": str(path), "reason": e.reason})
+            summary.failed.append({"source": str(path), "kind": e.kind, "reason": e.reason})
+            continue
+        except Exception as e:  # noqa: BLE001 - any other error decoding this one file: recorded, run goes on
+            why = f"{type(e).__name__}: {e}"
+            summary.failed.append({"source": str(path), "kind": "error", "reason": why})
             continue
         frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
         summary.written.append({"source": str(path), "output": str(name), "frames": frames})
@@ -206,5 +211,5 @@ def cli_main(argv: list[str]) -> int:
         f"{len(summary.failed)} failed -> {Path(args.out) / MANIFEST}"
     )
     for f in summary.failed:
-        print(f"  failed: {f['source']}: {f['reason']}", file=sys.stderr)
+        print(f"  failed: {f['source']}: {f['kind']}: {f['reason']}", file=sys.stderr)
     return 1 if summary.failed and not summary.written and not summary.skipped else 0

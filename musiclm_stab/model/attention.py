@@ -1,18 +1,17 @@
 """Multi-head self-attention with three interchangeable forms.
 
-- ``sdpa``  fused ``scaled_dot_product_attention`` (fast default): what MERT's training ran on torch >= 2
-            (fairseq's MultiheadAttention takes torch's ``F.multi_head_attention_forward`` fast path, which
-            with ``need_weights=False`` calls SDPA). It never materialises the logits, so it can neither
-            show nor suffer fp16 logit overflow the way an explicit product does.
-- ``math``  the reference's explicit arithmetic (fairseq ``MultiheadAttention``: ``q *= head_dim**-0.5``
-            before ``bmm(q, k^T)``; torch's ``multi_head_attention_forward`` with need_weights scales q the
-            same way): logits = (Q / sqrt(d)) K^T in the compute dtype, softmax in fp32 (fairseq's
-            ``utils.softmax``), probabilities back in the compute dtype. In fp16 (or under fp16 autocast)
-            the product overflows to inf once a *logit* passes 65504, and the softmax turns the row to NaN.
-            (Dividing after the matmul instead, as this form did before, overflows sqrt(d) = 8x earlier.)
+- ``sdpa``  fused ``scaled_dot_product_attention`` (fast default): what fairseq's attention runs on torch >= 2
+            (``F.multi_head_attention_forward`` with ``need_weights=False`` calls SDPA). It never
+            materialises the logits, so it can neither show nor suffer fp16 logit overflow.
+- ``math``  the explicit arithmetic MERT's training ran: torch 1.12's ``F.multi_head_attention_forward`` (which
+            fairseq's attention calls on every training step) computes ``q = q / sqrt(d)``, then
+            ``bmm(q, k^T)`` in the compute dtype and a softmax in that dtype (its kernel accumulates in
+            fp32). In fp16 the product overflows to inf once a *logit* passes 65504, and the softmax turns
+            the row to NaN. (Dividing after the matmul instead overflows sqrt(d) times earlier.) On torch >= 2
+            the same call takes the fused path, ``sdpa``.
 - ``relax`` PB-relax (CogView): Q is divided by alpha*sqrt(d) *before* the matmul, so the product stays
             alpha times smaller than ``math``'s; the detached row max is subtracted in the compute dtype,
-            the result multiplied by alpha in fp32, then softmax:
+            the result multiplied by alpha in fp32 (an fp32 island, model/fp16_arith.py), then softmax:
                 softmax(((Q / (alpha sqrt d)) K^T - rowmax) * alpha)
             Identical to ``math`` in exact arithmetic; finite where ``math`` overflows (up to alpha times
             larger logits).
@@ -23,7 +22,8 @@ already-formed logits (q * d^-1/2) K^T in the compute dtype, it computes (a/alph
 then fp32 softmax: mathematically a - rowmax(a), a shift softmax ignores, applied *after* the matmul, so it
 cannot prevent an overflow of a. And it sits on the explicit path only, after the fast path
 (``F.multi_head_attention_forward``, line 1732) has already returned for every training call. So MERT-330M
-trained with plain fused attention; our ``relax`` is the relaxation the study's legend names, made to work.
+trained with ``math`` (torch 1.12, its setup notes' version); our ``relax`` is the relaxation the study's
+legend names, made to work.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from musiclm_stab.config import ATTENTION_FORMS, ConfigError
+from musiclm_stab.model.fp16_arith import fp32, no_rounding
 from musiclm_stab.model.norm_schemes import make_norm
 
 
@@ -54,13 +55,14 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, form: str, alpha: float = 
     """Attention probabilities of the explicit forms. q, k: [B, H, T, d] -> [B, H, T, T] (dtype of q)."""
     d = q.shape[-1]
     if form == "math":
-        logits = (q * d**-0.5) @ k.transpose(-2, -1)  # q scaled first (fairseq), product in the compute dtype
-        return torch.softmax(logits.float(), dim=-1).to(q.dtype)  # fp32 softmax, as fairseq's utils.softmax
+        # torch 1.12's order: q divided by sqrt(d) first, the product and the softmax in the compute dtype
+        logits = (q / math.sqrt(d)) @ k.transpose(-2, -1)
+        return torch.softmax(logits, dim=-1).to(q.dtype)
     if form == "relax":
         logits = (q / (alpha * math.sqrt(d))) @ k.transpose(-2, -1)  # small: divided before the matmul
         # Row max subtracted in the compute dtype (every entry <= 0 and the max exactly 0), then times
         # alpha in fp32 (in fp16 a far-below-max entry times alpha could overflow to -inf: harmless, untidy).
-        logits = (logits - logits.amax(dim=-1, keepdim=True).detach()).float() * alpha
+        logits = fp32(logits - logits.amax(dim=-1, keepdim=True).detach()) * alpha
         return torch.softmax(logits, dim=-1).to(q.dtype)
     raise ConfigError(f"attention form {form!r} has no explicit probabilities; use math or relax")
 
@@ -77,7 +79,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str, *, alph
         # On CPU, SDPA with dropout falls back to the explicit product anyway, drawing its mask with the
         # slow bernoulli_: do the same product here with the faster mask (same result in distribution).
         # in fp32, as SDPA's own fallback computes it (bf16 probabilities were ~7x less accurate)
-        logits = (q.float() @ k.float().transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        logits = (fp32(q) @ fp32(k).transpose(-2, -1)) * (q.shape[-1] ** -0.5)
         probs = torch.softmax(logits, dim=-1).to(v.dtype)
     else:
         probs = attention_probs(q, k, form, alpha)
@@ -111,7 +113,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.record_max_logit:
-            with torch.no_grad():  # the largest logit |q.k|/sqrt(d), in fp32: predicts divergence
+            with torch.no_grad(), no_rounding():  # the largest logit |q.k|/sqrt(d), in fp32: predicts divergence
                 logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
                 self.max_logit = logits.abs().amax()
         out = attend(q, k, v, self.form, alpha=self.alpha, dropout=self.dropout, training=self.training)

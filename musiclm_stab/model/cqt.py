@@ -192,6 +192,8 @@ class CQT(nn.Module):
     and the multi-rate design. No gradient flows through the output (a training target only).
     """
 
+    keeps_fp32 = True  # a target's filterbank: stays fp32 in an fp16 model (training/precision.py)
+
     def __init__(
         self,
         sample_rate: int = 24_000,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from musiclm_stab import HOP_LENGTH
+from musiclm_stab.model.fp16_arith import fp32
 
 CONV_LAYERS = [(10, 5)] + [(3, 2)] * 4 + [(2, 2)] * 2  # (kernel, stride): total stride 5 * 2^6 = 320
 RECEPTIVE_FIELD = 400
@@ -50,6 +51,14 @@ class GradMultiply(torch.autograd.Function):
 IMPLS = ("conv", "gemm")
 
 
+class Fp32GroupNorm(nn.GroupNorm):
+    """GroupNorm computed in fp32 and returned in the input's dtype, in an fp16 model too (fairseq's
+    ``Fp32GroupNorm``, the only norm of wav2vec2's conv frontend). The same parameters as ``nn.GroupNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(fp32(x), self.num_groups, fp32(self.weight), fp32(self.bias), self.eps).to(x.dtype)
+
+
 class ConvFrontend(nn.Module):
     """[B, S] waveform (S a multiple of 320) -> [B, T, C] features with T = S / 320.
 
@@ -65,7 +74,7 @@ class ConvFrontend(nn.Module):
         for i, (k, s) in enumerate(CONV_LAYERS):
             block = [nn.Conv1d(in_ch, conv_dim, k, stride=s, bias=False)]
             if i == 0:
-                block.append(nn.GroupNorm(conv_dim, conv_dim, affine=True))
+                block.append(Fp32GroupNorm(conv_dim, conv_dim, affine=True))
             block.append(nn.GELU())
             layers.append(nn.Sequential(*block))
             in_ch = conv_dim

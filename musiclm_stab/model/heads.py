@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from musiclm_stab.model.fp16_arith import fp32
+
 
 class AcousticHeads(nn.Module):
     """HuBERT-style cosine logits against learned label embeddings, one set per codebook.
 
     [N, D] frame states -> [N, K, V] logits = cos(proj_k(x), e_k,v) / temperature.
+
+    As MERT (mert_model.py ``compute_nce``): the cosine in fp32, brought back to the model's dtype, then
+    divided by the temperature there: fp16 logits in an fp16 model, fp32 ones in an fp32 or autocast model.
     """
 
     def __init__(self, dim: int, num_codebooks: int, codebook_size: int, final_dim: int, temperature: float):
@@ -23,9 +28,10 @@ class AcousticHeads(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N = x.shape[0]
         h = self.proj(x).view(N, self.num_codebooks, self.final_dim)  # (N, K, F)
-        h = F.normalize(h.float(), dim=-1)
-        e = F.normalize(self.label_embs.float(), dim=-1)  # (K, V, F)
-        return torch.einsum("nkf,kvf->nkv", h, e) / self.temperature  # (N, K, V), fp32
+        h = F.normalize(fp32(h), dim=-1)
+        e = F.normalize(fp32(self.label_embs), dim=-1)  # (K, V, F)
+        cosine = torch.einsum("nkf,kvf->nkv", h, e)  # (N, K, V), fp32
+        return cosine.to(self.proj.weight.dtype) / self.temperature
 
 
 class MusicalHead(nn.Module):

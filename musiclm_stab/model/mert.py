@@ -16,6 +16,7 @@ from musiclm_stab.config import ModelConfig
 from musiclm_stab.model.attention import fast_dropout
 from musiclm_stab.model.cqt import CQT
 from musiclm_stab.model.encoder import Encoder
+from musiclm_stab.model.fp16_arith import fp32, no_rounding
 from musiclm_stab.model.frontend import ConvFrontend, GradMultiply
 from musiclm_stab.model.heads import AcousticHeads, MusicalHead
 from musiclm_stab.model.objective import MLMOutput, mlm_objective
@@ -44,7 +45,7 @@ class MusicMLM(nn.Module):
         feats = self.frontend(wav)  # (B, T, C)
         if self.cfg.feature_grad_mult != 1.0 and self.training:
             feats = GradMultiply.apply(feats, self.cfg.feature_grad_mult)
-        pen = feats.float().pow(2).mean()
+        pen = fp32(feats).pow(2).mean()  # in fp32, as MERT computes it from its fp16 features
         feats = self.feature_norm(feats)
         x = self.feature_proj(feats)  # (B, T, D)
         return fast_dropout(x, self.cfg.feature_dropout, self.training), pen
@@ -64,8 +65,8 @@ class MusicMLM(nn.Module):
         x, pen = self.encode(wav, mask)  # (B, T, D)
         if codes.shape[-1] != x.shape[1] or mask.shape != x.shape[:2]:
             raise ValueError(f"codes {tuple(codes.shape)} / mask {tuple(mask.shape)} do not match {x.shape[1]} frames")
-        with torch.no_grad():
-            cqt = self.cqt(clean_wav)  # (B, T, n_bins), fp32
+        with torch.no_grad(), no_rounding():
+            cqt = self.cqt(clean_wav)  # (B, T, n_bins), fp32: a target, not a value of the fp16 model
         h = x[mask]  # (N, D)
         return mlm_objective(self.acoustic(h), codes, self.musical(h), cqt, pen, mask, self.cfg.musical_weight,
                              self.cfg.features_pen_weight, frame_weight)

@@ -10,6 +10,9 @@ is 1 on one process; with several, the trainer sets it to this process's share o
 masked frames (so the mean over processes is the global batch's mean). Training, evaluation and the
 exported model's check all go through ``mlm_objective``; ``MLMOutput.metrics`` names every logged value.
 
+Precision. The objective is an fp32 island in an fp16 model (``fp32`` of model/fp16_arith.py), as fairseq's
+hubert criterion computes its cross-entropy on fp32 logits (MERT's ``get_logits`` casts them).
+
 Units. The objective is computed in nats (natural-log cross-entropy) whatever is logged. ``metrics(unit)``
 reports every *loss* (``LOSS_METRICS``: loss, acoustic_mlm_loss and its per-codebook parts,
 musical_mlm_loss, features_pen) in ``train.loss_unit``: ``bits`` divides each by ln 2, as fairseq's hubert
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from musiclm_stab.model.fp16_arith import fp32
 
 NATS_PER_BIT = math.log(2.0)
 # The metrics that are losses, whose logged value depends on train.loss_unit (also with an "eval/" prefix).
@@ -91,9 +96,9 @@ def acoustic_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     if N == 0:
         zeros = logits.new_zeros(K)
         return zeros.sum(), zeros, zeros
-    ce = F.cross_entropy(logits.reshape(N * K, V).float(), targets.reshape(N * K), reduction="none")
+    ce = F.cross_entropy(fp32(logits.reshape(N * K, V)), targets.reshape(N * K), reduction="none")
     ce_per_codebook = ce.view(N, K).mean(0)  # (K,)
-    acc = (logits.argmax(-1) == targets).float().mean(0)  # (K,)
+    acc = fp32(logits.argmax(-1) == targets).mean(0)  # (K,)
     return ce_per_codebook.sum(), ce_per_codebook, acc
 
 
@@ -101,7 +106,7 @@ def musical_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """MSE between predicted and true CQT magnitudes of the masked frames: [N, n_bins] each."""
     if pred.shape[0] == 0:
         return pred.new_zeros(())
-    return F.mse_loss(pred.float(), target.float())
+    return F.mse_loss(fp32(pred), fp32(target))
 
 
 def mlm_objective(acoustic_logits: torch.Tensor, codes: torch.Tensor, musical_pred: torch.Tensor,
@@ -116,4 +121,4 @@ def mlm_objective(acoustic_logits: torch.Tensor, codes: torch.Tensor, musical_pr
     mus = musical_loss(musical_pred, cqt[mask])
     loss = objective(ce_sum, mus, features_pen, musical_weight, features_pen_weight, frame_weight)
     return MLMOutput(loss=loss, acoustic_mlm_loss=ce_sum, acoustic_ce=ce, acoustic_acc=acc, musical_mlm_loss=mus,
-                     features_pen=features_pen, mask_fraction=mask.float().mean(), frame_weight=frame_weight)
+                     features_pen=features_pen, mask_fraction=fp32(mask).mean(), frame_weight=frame_weight)

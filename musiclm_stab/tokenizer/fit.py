@@ -17,26 +17,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import soundfile as sf
 import torch
 from tqdm.auto import tqdm
 
 from musiclm_stab import CODEBOOK_SIZE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
-from musiclm_stab.audio import AudioError, list_audio_files, load_audio
+from musiclm_stab.audio import AudioError, list_audio_files, load_audio, open_audio
 from musiclm_stab.data.tokenized import codebook_usage as usage_from_counts
 from musiclm_stab.tokenizer.kmeans import exact_grid, held_out_residual, kmeans, snap
 from musiclm_stab.tokenizer.weights import BANDWIDTH, _sidecar, model_info, seeded_random_model
 
 
-def _duration(source: str | Path | torch.Tensor) -> tuple[int, str | None]:
-    """(length in 24 kHz samples, estimated from the header for files; why it is unusable or None)."""
+def _duration(source: str | Path | torch.Tensor) -> tuple[int, dict | None]:
+    """(length in 24 kHz samples, from the header for files; why the source is unusable, or None).
+
+    Files are opened with the decoder's own checks (``open_audio``: sample rate, truncation, no samples),
+    so that a bad file is skipped here and takes no chunks from the good ones.
+    """
     if isinstance(source, torch.Tensor):
         return source.numel(), None
     try:
-        meta = sf.info(str(source))
-    except Exception as e:
-        return 0, f"not a readable audio file: {e}"
-    return int(meta.frames * SAMPLE_RATE / max(meta.samplerate, 1)), None
+        with open_audio(source) as reader:
+            return int(reader.frames * SAMPLE_RATE / reader.sample_rate), None
+    except Exception as e:  # noqa: BLE001 - this one file's failure, recorded with its kind and reason
+        return 0, _skipped(source, e)
+
+
+def _skipped(source: str | Path, e: Exception) -> dict:
+    """The provenance record of a source left out: path, kind (audio.FAILURE_KINDS) and reason. An error
+    that is not an AudioError is kind ``error`` with its type, as the tokenizer reports it."""
+    if isinstance(e, AudioError):
+        return {"path": e.path, "kind": e.kind, "reason": e.reason}
+    return {"path": str(source), "kind": "error", "reason": f"{type(e).__name__}: {e}"}
 
 
 _WORKER_ENCODER: torch.nn.Module | None = None  # a worker process's float64 encoder (_init_frames_worker)
@@ -58,8 +69,8 @@ def _source_frames(encoder: torch.nn.Module, src: str | Path | torch.Tensor, sta
     each chunk's 24 kHz float32 samples, and the reason the source is unusable (or None)."""
     try:
         wav = src if isinstance(src, torch.Tensor) else load_audio(src)  # (S,) float32, 24 kHz
-    except AudioError as e:
-        return [], [], {"path": e.path, "reason": e.reason}
+    except Exception as e:  # noqa: BLE001 - one file's failure never ends the run: it is recorded
+        return [], [], _skipped(src, e)
     frames, hashes = [], []
     with torch.inference_mode():
         for start in starts:
@@ -157,7 +168,7 @@ def make_local_weights(
         raise ValueError("make_local_weights: waveforms must be 24 kHz mono [S]; decode files with load_audio")
     chunk = int(chunk_seconds * SAMPLE_RATE) // HOP_LENGTH * HOP_LENGTH
     durations = [_duration(s) for s in srcs]
-    skipped = [{"path": str(s), "reason": why} for s, (_, why) in zip(srcs, durations) if why]
+    skipped = [why for _, why in durations if why]
     slots = [(i, start) for i, (n, _) in enumerate(durations) for start in range(0, n, chunk)]
     g = torch.Generator().manual_seed(seed)
     max_chunks = max(1, int(max_seconds * SAMPLE_RATE) // chunk)
@@ -261,6 +272,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(f"  fitted on {prov['seconds_used']:.0f} s of audio from {len(files)} files "
           f"({len(prov['skipped_sources'])} unreadable), {prov['num_frames']} frames, "
           f"in {prov['seconds_taken']:.1f} s")
+    for skip in prov["skipped_sources"]:
+        print(f"  skipped {skip['path']}: {skip['kind']}: {skip['reason']}")
     print("  residual / variance of the frames after each codebook: "
           + " ".join(f"{e:.3f}" for e in prov["residual_variance_per_level"]))
     usage = prov["codebook_usage_on_fitting_audio"]

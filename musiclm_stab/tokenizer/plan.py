@@ -14,6 +14,7 @@ import hashlib
 import soundfile as sf
 
 from musiclm_stab import SAMPLE_RATE
+from musiclm_stab.audio.reader import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from musiclm_stab.audio.stream import AudioStats
 from musiclm_stab.tokenizer.sources import TrackRef
 
@@ -30,6 +31,9 @@ PIECE_SECONDS = 300.0  # audio per piece of a long track (whole segments); track
 # Files smaller than 2 pieces at this many bytes per second are not opened to look for a long track:
 # lossless music is well above it (FLAC of 8 kHz mono 16-bit is ~10 kB/s), so only real candidates are.
 _MIN_LOSSLESS_BYTES_PER_S = 8_000
+# libsndfile reports 2**63 - 1 frames for a header that states no length (a pipe-encoded FLAC's sample
+# count 0); the reader takes the count from the last frame (audio.container), so such a track is one unit.
+_NO_LENGTH = 2**62
 
 
 def names_sha256(refs: list[TrackRef]) -> str:
@@ -57,7 +61,8 @@ def plan_units(refs: list[TrackRef], part_bytes: int, part_tracks: int) -> list[
 def track_pieces(ref: TrackRef, segment_samples: int, piece_seconds: float | None,
                  batch_size: int = 1) -> list[tuple[int, int | None]]:
     """(first segment, stop segment or None for the rest) of each piece of a long track, or [] when it is
-    not split: not a file, not integer PCM in a seekable lossless format, or shorter than two pieces.
+    not split: not a file, not integer PCM in a seekable lossless format, shorter than two pieces, or with a
+    header the reader refuses (sample rate) or completes (no length stated): those stay one unit.
 
     The length comes from the file's header (exact for these formats); if the data is shorter, the
     pieces that reach past it report the track truncated, as an unsplit run would. A piece holds a
@@ -70,8 +75,8 @@ def track_pieces(ref: TrackRef, segment_samples: int, piece_seconds: float | Non
         info = sf.info(ref.payload)
     except Exception:  # noqa: BLE001 - not readable now: it stays one unit, whose run reports why
         return []
-    if info.format not in SEEKABLE_FORMATS or info.subtype not in INTEGER_SUBTYPES or info.samplerate <= 0 \
-            or info.frames <= 0:
+    if info.format not in SEEKABLE_FORMATS or info.subtype not in INTEGER_SUBTYPES \
+            or not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE or not 0 < info.frames < _NO_LENGTH:
         return []
     full = AudioStats(info.frames, info.samplerate, 0.0, 0).samples_24k // segment_samples  # whole segments
     per = max(1, round(piece_seconds * SAMPLE_RATE / segment_samples))

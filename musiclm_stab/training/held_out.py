@@ -7,6 +7,7 @@ recomputed from its averaged parts (the objective is linear in them, in either u
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,16 +27,21 @@ def metric_names(num_codebooks: int) -> list[str]:
 @torch.no_grad()
 def held_out_metrics(model: torch.nn.Module, batches: Iterable[dict], mcfg: ModelConfig, unit: str,
                      device: torch.device | str, reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     progress: bool = False) -> tuple[dict[str, float], int]:
+                     progress: bool = False, forward_context: Callable[[], contextlib.AbstractContextManager] =
+                     contextlib.nullcontext, cast_input: Callable[[torch.Tensor], torch.Tensor] = lambda wav: wav,
+                     ) -> tuple[dict[str, float], int]:
     """({"eval/<metric>": mean over masked frames}, masked frames) of ``model`` on ``batches`` (dicts of
     wav/clean_wav [B, S], codes [B, K, T], mask [B, T], e.g. ``data.loader.held_out_loader``), losses in
     ``unit``. The model is called as it is: the caller puts it in eval mode. ``reduce_sum``: sums a float64
-    tensor over processes (each process passing its own batches); every process gets the same result."""
+    tensor over processes (each process passing its own batches); every process gets the same result.
+    ``forward_context`` and ``cast_input``: the run's precision (training/precision.py), around the model call
+    only (the metrics are read outside it)."""
     names = metric_names(mcfg.num_codebooks)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # metric * masked frames, then the frame count
     for batch in tqdm(batches, desc="evaluate", leave=False, disable=not progress):
         batch = {k: v.to(device) for k, v in batch.items()}
-        out = model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"])
+        with forward_context():
+            out = model(cast_input(batch["wav"]), batch["clean_wav"], batch["codes"], batch["mask"])
         n = int(batch["mask"].sum())  # losses are means over masked frames: weight them back
         metrics = out.metrics(unit)
         if sorted(metrics) != sorted(names):

@@ -12,6 +12,8 @@ DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data",
 # torch's Optimizer.load_state_dict restores each param group's hyperparameters from the checkpoint (and the
 # scheduler its base lr), so a change of these on --resume would be silently ignored: refused instead.
 OPTIMIZER_STATE_KEYS = (("optim", "lr"), ("optim", "betas"), ("optim", "eps"), ("optim", "weight_decay"))
+# A checkpoint's precision state (loss scaler, fp32 master weights) belongs to its fp16 mode.
+PRECISION_KEYS = (("train", "mixed_precision"), ("train", "fp16_mode"))
 
 
 def check_resumable(ckpt: Path, state: dict, cfg: Config, num_processes: int) -> None:
@@ -38,6 +40,11 @@ def check_resumable(ckpt: Path, state: dict, cfg: Config, num_processes: int) ->
     if moved:
         raise ConfigError(f"cannot resume {ckpt} exactly: settings that define its data position changed\n  "
                           + "\n  ".join(moved) + "\nset them back, or start a new run (another --train.name)")
+    fp16 = "fp16" in (then.get("train", {}).get("mixed_precision"), now["train"]["mixed_precision"])
+    if fp16 and (moved := changed(PRECISION_KEYS)):
+        raise ConfigError(f"cannot resume {ckpt} in another fp16 setting: its loss scaler and (fairseq mode) fp32 "
+                          "master weights belong to the precision it was written in\n  " + "\n  ".join(moved)
+                          + "\nset them back, or start a new run (another --train.name)")
     if moved := changed(OPTIMIZER_STATE_KEYS):
         raise ConfigError(f"cannot resume {ckpt} with changed optimizer settings: the optimizer state "
                           "restores them from the checkpoint, so the change would be ignored\n  "

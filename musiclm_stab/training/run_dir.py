@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,6 +45,31 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
         if old_tok.exists():
             check_same_tokenizer(json.loads(old_tok.read_text()), tokenizer_info, f"run {run_dir}",
                                  f"data {cfg.data.path}")
+
+
+def resolve_grad_accum(cfg: Config, num_processes: int) -> Config:
+    """``cfg`` with ``train.grad_accum`` derived from ``train.global_batch_crops`` for ``num_processes``
+    (unchanged when that is not set): global_batch_crops / (data.batch_size x processes), which must be whole."""
+    crops = cfg.train.global_batch_crops
+    if crops is None:
+        return cfg
+    per_step = cfg.data.batch_size * num_processes
+    if crops % per_step:
+        raise ConfigError(f"train.global_batch_crops={crops} is not a multiple of data.batch_size "
+                          f"{cfg.data.batch_size} x {num_processes} process(es) = {per_step}: choose a batch size "
+                          "and process count whose product divides it")
+    if cfg.train.grad_accum not in (1, crops // per_step):
+        raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} and train.global_batch_crops={crops} both set: "
+                          f"the global batch fixes grad_accum ({crops // per_step} here); set only one")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=crops // per_step))
+
+
+def warmup_line(cfg: Config, num_processes: int) -> str:
+    """The warmup in updates and in crops (at this global batch), and the run length."""
+    crops = global_batch_crops(cfg, num_processes)
+    return (f"warmup {cfg.optim.warmup_steps} updates = {cfg.optim.warmup_steps * crops:,} crops, "
+            f"lr {cfg.optim.lr:g} decaying to 0 at step {cfg.train.max_steps}"
+            + (f", stopping at step {cfg.train.stop_at}" if cfg.train.stop_at else ""))
 
 
 def global_batch_crops(cfg: Config, num_processes: int) -> int:

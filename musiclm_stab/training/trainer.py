@@ -1,8 +1,9 @@
 """Pretraining loop on Hugging Face accelerate.
 
-One optimizer update ("step") = ``train.grad_accum`` micro-batches. Per step: forward/backward under the
-configured mixed precision, total gradient norm measured *before* clipping, clipping, non-finite steps
-skipped (no parameter or optimizer-state change), AdamW + warmup/linear-decay schedule. Metrics (names as
+One optimizer update ("step") = ``train.grad_accum`` micro-batches. Per step: forward/backward in the
+configured precision (training/precision.py: fp32, bf16, fp16 as fairseq or amp computes it), total gradient
+norm measured *before* clipping, clipping, non-finite steps skipped (no parameter or optimizer-state change),
+AdamW + warmup/linear-decay schedule. Metrics (names as
 in DESIGN.md) go to ``metrics.jsonl`` and the ``train.trackers`` (TensorBoard by default), with the held-out
 ``eval/*`` metrics every ``train.eval_every`` steps; checkpoints are accelerate states, written aside and
 moved into place so a checkpoint directory is either complete or absent.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import time
@@ -31,13 +31,17 @@ from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
+from musiclm_stab.training.loss_scaler import EXIT_DIVERGED, MinLossScaleError
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
+from musiclm_stab.training.precision import FairseqFp16, make_precision
 from musiclm_stab.training.resume import check_resumable
 from musiclm_stab.training.run_dir import (
     MetricsWriter,
     check_run_dir,
     global_batch,
     global_batch_crops,
+    resolve_grad_accum,
+    warmup_line,
     write_run_dir,
 )
 from musiclm_stab.training.stability import (
@@ -56,14 +60,11 @@ class Trainer:
     """The training loop's state and its two halves: ``train_step`` (micro-batches) and ``update``."""
 
     def __init__(self, cfg: Config, resume: bool = False):
-        self.cfg = cfg = cfg.resolved()  # per-size values and the warmup filled in (load_config's already are)
+        cfg = cfg.resolved()  # per-size values and the warmup filled in (load_config's already are)
         tcfg, ocfg = cfg.train, cfg.optim
-        if tcfg.mixed_precision == "fp16" and not torch.cuda.is_available():
-            raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU accelerate neither autocasts "
-                              "nor scales the loss, so the run would silently be fp32. Use bf16 or no on CPU "
-                              "(the fp16 behaviour of the attention forms is tested on fp16 tensors).")
         self.accelerator = accelerator = Accelerator(
-            mixed_precision=tcfg.mixed_precision,
+            # fp16 is ours (training/precision.py: fairseq's or amp's, on any device); bf16 is accelerate's autocast
+            mixed_precision="no" if tcfg.mixed_precision == "fp16" else tcfg.mixed_precision,
             log_with=tracker_names(tcfg.trackers),
             # The CQT kernels are constant buffers: no need to broadcast them every step under DDP. With
             # layerdrop a step may skip layers, whose parameters then get no gradient: DDP must look for them
@@ -81,7 +82,10 @@ class Trainer:
                 f"launched as {launched} processes (WORLD_SIZE) but accelerate set up {accelerator.num_processes}: "
                 "they would train as independent runs into the same directory. On CPU set ACCELERATE_USE_CPU=1 "
                 "(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N ...); with GPUs use accelerate launch.")
-        set_seed(tcfg.seed + 1000 * tcfg.run)
+        # train.global_batch_crops fixes train.grad_accum for this process count
+        self.cfg = cfg = resolve_grad_accum(cfg, accelerator.num_processes)
+        tcfg = cfg.train
+        set_seed(tcfg.seed)  # train.run is legend text ("Run 2"): runs of one seed share their init draws
         tokenizer_info: dict = {}
         loader, self.epoch_objects, held_out = build_data(cfg, accelerator, tokenizer_info)
         # This process's share of the held-out batches (train.eval_every), the same batches at any count.
@@ -101,7 +105,10 @@ class Trainer:
         if tcfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
             model.frontend.compile()
             model.encoder.compile()
-        optimizer = build_optimizer(model.parameters(), ocfg)
+        self.precision = make_precision(cfg, accelerator)
+        optimizer = build_optimizer(self.precision.prepare_model(model), ocfg)  # fairseq fp16: fp32 master copies
+        if isinstance(self.precision, FairseqFp16):
+            self.precision.attach(optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
         if cfg.data.streaming:  # StreamingCrops splits the data across processes itself
             self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -110,7 +117,7 @@ class Trainer:
             self.model, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
                 model, optimizer, loader, scheduler)
         self.clipper, self.guard = GradClipper(ocfg), SpikeGuard(tcfg)
-        accelerator.register_for_checkpointing(self.clipper, self.guard)
+        accelerator.register_for_checkpointing(self.clipper, self.guard, self.precision)
         # Checkpoints written by a thread after a fast CPU copy of the state (checkpoint_writer.CheckpointWriter).
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
@@ -153,19 +160,21 @@ class Trainer:
             if diagnose and last:
                 record_attention_logits(self.model, True)
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                w = self.masked_weight(batch["mask"])
-                with acc.autocast():
-                    out = self.model(batch["wav"], batch["clean_wav"], batch["codes"], batch["mask"], frame_weight=w)
+                w, frames = self.masked_weight(batch["mask"])
+                if i == 0:
+                    self.precision.begin_update(frames)
+                with self.precision.forward():
+                    out = self.model(self.precision.cast_input(batch["wav"]), batch["clean_wav"], batch["codes"],
+                                     batch["mask"], frame_weight=w)
                 loss = self.perturb_loss(step, out.loss)
-                acc.backward(loss / tcfg.grad_accum)
+                self.precision.backward(loss, tcfg.grad_accum)
             out.loss = loss  # the loss as backpropagated (perturb_loss), logged in train.loss_unit
             metrics = out.metrics(tcfg.loss_unit)
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value / tcfg.grad_accum
         diag = {}
         if diagnose:
-            scale = float(acc.scaler.get_scale()) if acc.scaler is not None else 1.0
-            diag = layer_diagnostics(self.model, grad_scale=scale)
+            diag = layer_diagnostics(self.model, grad_scale=self.precision.grad_scale())
             record_attention_logits(self.model, False)
         self.perturb_grads(step)
         return sums, diag
@@ -178,17 +187,18 @@ class Trainer:
     def perturb_grads(self, step: int) -> None:
         pass
 
-    def masked_weight(self, mask: torch.Tensor) -> torch.Tensor:
-        """n_local / mean over processes of n, with n the masked frames of this micro-batch.
+    def masked_weight(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_local / mean over processes of n, that mean), with n the masked frames of this micro-batch.
 
         The masked losses are means over local masked frames; weighted by this, the gradient DDP averages
         (and the metrics averaged over processes) are those of the mean over the *global* batch's masked
         frames, as one process with the whole batch would compute. 1 on a single process.
         """
-        if self.accelerator.num_processes == 1:
-            return torch.ones((), device=mask.device)
         n = mask.sum().float()
-        return n / self.accelerator.reduce(n.clone(), reduction="mean").clamp_min(1.0)
+        if self.accelerator.num_processes == 1:
+            return torch.ones((), device=mask.device), n
+        mean = self.accelerator.reduce(n.clone(), reduction="mean").clamp_min(1.0)
+        return n / mean, mean
 
     def evaluate_held_out(self) -> dict[str, float]:
         """{"eval/<metric>": value} on the held-out batches, as ``musiclm-stab evaluate`` computes them (in
@@ -204,38 +214,34 @@ class Trainer:
             model.eval()
             try:
                 metrics, _ = held_out_metrics(model, self.eval_loader, self.cfg.model, self.cfg.train.loss_unit,
-                                              acc.device, reduce_sum=lambda t: acc.reduce(t, reduction="sum"))
+                                              acc.device, reduce_sum=lambda t: acc.reduce(t, reduction="sum"),
+                                              forward_context=self.precision.forward,
+                                              cast_input=self.precision.cast_input)
             finally:
                 model.train(was_training)
         return metrics
 
     def update(self) -> dict:
-        """Clip and apply the accumulated gradients, unless they are non-finite. Advances the step.
+        """Clip and apply the accumulated gradients, unless they are non-finite; advances the step, except
+        after an overflow in fairseq fp16 (an overflowed update is no update there; training/precision.py).
 
-        Returns {"grad_norm": pre-clip norm (float), "clipped", "skipped", "overflow"}.
+        Returns {"grad_norm": pre-clip norm (float), "threshold", "clipped", "skipped", "overflow", "advanced"}.
+        Raises MinLossScaleError when fairseq's loss scale reaches its floor.
         """
-        acc = self.accelerator
         threshold = self.clipper.threshold()
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), threshold)  # norm before clipping
-        norm = float(grad_norm)  # one host sync per step: needed to skip non-finite updates
-        finite = math.isfinite(norm)
-        if acc.scaler is not None:
-            self.optimizer.step()  # fp16: the grad scaler skips non-finite updates itself, lowers the scale
-            # The norm is of the unscaled gradients, so non-finite means the scaler found inf and skipped
-            # (accelerate's optimizer_step_was_skipped stays False with fused AdamW, which skips in-kernel).
-            overflow = not finite
-        else:
-            overflow = False
-            if finite:
-                self.optimizer.step()
+        result = self.precision.step(self.model, self.optimizer, threshold)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
-        skipped = not finite and not overflow
-        if finite and not overflow:
-            self.clipper.observe(norm)  # skipped and overflow steps feed no statistic
-        return {"grad_norm": norm, "threshold": threshold, "clipped": finite and norm > threshold,
-                "skipped": skipped, "overflow": overflow}
+        self.model.zero_grad(set_to_none=True)  # fairseq fp16: the model's own (fp16) gradients
+        advanced = not result.overflow or self.precision.overflow_advances_step
+        if advanced:
+            self.scheduler.step()
+            self.step += 1
+        if result.applied:
+            self.clipper.observe(result.grad_norm)  # skipped and overflow steps feed no statistic
+        return {"grad_norm": result.grad_norm, "threshold": threshold,
+                "clipped": result.applied and result.grad_norm > threshold,
+                "skipped": not result.applied and not result.overflow, "overflow": result.overflow,
+                "advanced": advanced}
 
     def maybe_roll_back(self, step_loss: float, writer: MetricsWriter) -> bool:
         """Spike guard: roll back to the newest checkpoint before this step; the data stream goes on, so
@@ -276,8 +282,9 @@ class Trainer:
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
-                  f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, precision={tcfg.mixed_precision}, "
-                  f"{acc.num_processes} process(es), {global_batch(cfg, acc.num_processes)}, "
+                  f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, "
+                  f"precision={self.precision.describe()}, {acc.num_processes} process(es), "
+                  f"{global_batch(cfg, acc.num_processes)}, {warmup_line(cfg, acc.num_processes)}, "
                   f"{len(self.loader)} micro-batches per epoch per process"
                   + (f" (streamed, shuffle buffer {cfg.data.shuffle_buffer} rows)" if cfg.data.streaming else ""))
         last_step = min(tcfg.max_steps, tcfg.stop_at or tcfg.max_steps)
@@ -296,7 +303,12 @@ class Trainer:
                           "command and --resume.")
                 break
             step_sums, step_diag = self.train_step()
-            result = self.update()
+            try:
+                result = self.update()
+            except MinLossScaleError as e:
+                writer.write({"step": self.step, "event": "min_loss_scale", "loss_scale": self.precision.loss_scale,
+                              "overflow_step": interval["overflow"] + 1, "reason": str(e)})
+                raise MinLossScaleError(f"step {self.step + 1}: {e}") from None
             diag.update(step_diag)
             for name, value in step_sums.items():
                 sums[name] = sums.get(name, 0.0) + value
@@ -306,6 +318,8 @@ class Trainer:
             if not (result["skipped"] or result["overflow"]):
                 interval["grad_norm"] += result["grad_norm"]
                 interval["clipped"] += int(result["clipped"])
+            if not result["advanced"]:
+                continue  # fairseq fp16 overflow: the same step again with the next batch; counted in the next row
             bar.update(1)
 
             if self.step % tcfg.log_every == 0 or self.step == last_step:
@@ -344,7 +358,7 @@ class Trainer:
         acc = self.accelerator
         means = reduce_by_name(acc, sums, divide=max(1, interval["steps"]))
         elapsed = time.perf_counter() - interval["t0"]
-        good = interval["steps"] - interval["skipped"] - interval["overflow"]
+        good = interval["steps"] - interval["skipped"] - interval["overflow"]  # updates applied
         row = {"step": self.step, **means,
                "grad_norm": interval["grad_norm"] / good if good else float("nan"),
                "grad_clipped": interval["clipped"] / good if good else 0.0,
@@ -352,8 +366,8 @@ class Trainer:
                "skipped_step": interval["skipped"],
                "lr": self.scheduler.get_last_lr()[0],
                "audio_s_per_s": self.global_batch_s * interval["steps"] / elapsed}
-        if acc.scaler is not None:
-            row["loss_scale"] = float(acc.scaler.get_scale())
+        if self.precision.loss_scale is not None:
+            row["loss_scale"] = self.precision.loss_scale
             row["overflow_step"] = interval["overflow"]
         if diag:
             row.update({k: float(v) for k, v in diag.items()})
@@ -426,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     except checkpoint.CheckpointWriteError as e:  # e.g. disk full: stop, the previous checkpoint is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except MinLossScaleError as e:  # the run diverged (fp16): recorded in metrics.jsonl as a min_loss_scale event
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         leave_process_group()
     return 0

@@ -1,0 +1,186 @@
+"""fp16 arithmetic on any device: real half tensors, or an emulation that rounds fp32 tensors to fp16.
+
+An fp16 model can compute in two ways here (``train.fp16_impl``):
+
+- ``half``: real half tensors (the model cast with ``.half()``, or torch autocast). What a CUDA GPU runs;
+  on a CPU it works too, but slowly and with kernels that differ per instruction set.
+- ``emulate``: the model keeps float32 tensors, and ``Fp16Emulation`` (a dispatch mode: it sees every
+  aten operation, forward and backward) rounds them to fp16 at every point the fp16 model would hold a
+  tensor. Rounding is ``x.to(float16).to(float32)``: fp16's range and precision exactly, so a value of
+  65520 or more becomes inf (and a softmax of it NaN) where it would on a GPU, and values below 2^-24
+  flush to zero. The same code path on every CPU; one operation computes in fp32 from fp16-valued inputs
+  and rounds its output once, as a GPU kernel with fp32 accumulation does.
+
+Two policies, the two fp16 modes of ``train.fp16_mode``:
+
+- ``fairseq`` (fairseq's ``--fp16``, what MERT trained with): weights, activations, the residual stream and
+  gradients are all fp16. Emulated: the float32 outputs of every operation that reads a floating tensor
+  are rounded (views are not new values; in-place results are rounded in place; factories such as
+  ``torch.rand`` are exact draws). The model computes in fp32 on purpose in a few places ("fp32 islands":
+  fairseq's fp32 GroupNorm, MERT's cosine logits and features penalty, the criterion, softmax of PB-relax):
+  it writes them with ``fp32(x)``, which is ``x.float()`` on real half tensors and ``x.double()`` under
+  emulation, where float32 stands for fp16; ``y.to(weight.dtype)`` brings an island's result back to the
+  model's dtype (and the emulation rounds it). So islands and their gradients keep a wider type in both.
+- ``amp`` (torch autocast): fp32 weights and residual stream; autocast's fp16 operations (matrix products,
+  convolutions, SDPA) read and write fp16. Emulated: the float32 inputs and outputs of those operations are
+  rounded, in forward and backward.
+
+What the emulation does not reproduce: the accumulation order and internal precision inside a GPU kernel
+(fp32 here, fp32 accumulators there; cuBLAS may split sums differently), and under ``amp`` the fp16
+rounding of elementwise operations between two autocast operations (computed in fp32 here from
+fp16-valued inputs, rounded where the next autocast operation reads them: at most one rounding apart,
+the same range). fp32 islands compute in float64 under emulation (fp32 on a GPU). docs/FIDELITY.md lists
+what differs from fairseq and torch 1.12 beyond that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+FP16_POLICIES = ("fairseq", "amp")
+
+# The aten operations torch autocast runs in fp16 (its CUDA "lower precision" list, as the operations reach
+# a dispatch mode: linear, matmul and einsum arrive as these), with their backward operations.
+AMP_FP16_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+})
+# Operations whose further outputs are statistics a GPU keeps in fp32 even for half inputs (mean, rstd,
+# logsumexp, saved for backward): only their first output is an fp16 tensor.
+FIRST_OUTPUT_ONLY = frozenset({
+    "native_layer_norm", "native_group_norm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+})
+
+_local = threading.local()  # per thread: the emulation policies entered, and how deeply rounding is paused
+
+
+def round_fp16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest fp16 value (inf beyond fp16's range), in ``t``'s dtype."""
+    return t.to(torch.float16).to(t.dtype)
+
+
+def _stack() -> list[str]:
+    if not hasattr(_local, "stack"):
+        _local.stack, _local.paused = [], 0
+    return _local.stack
+
+
+def emulating() -> str | None:
+    """The policy of the fp16 emulation active on this thread (``fairseq`` or ``amp``), or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype of an fp32 island: float32, or float64 under the ``fairseq`` emulation, where
+    float32 holds fp16 values (module docstring). Bool and integer tensors become that float type too."""
+    return x.to(torch.float64 if emulating() == "fairseq" else torch.float32)
+
+
+@contextlib.contextmanager
+def no_rounding() -> Iterator[None]:
+    """Pause the emulation's rounding on this thread: for values computed outside the fp16 model (targets
+    such as the CQT, diagnostics) under ``torch.no_grad``. A no-op without emulation."""
+    _stack()
+    _local.paused += 1
+    try:
+        yield
+    finally:
+        _local.paused -= 1
+
+
+def _round_float32(x):
+    return round_fp16(x) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+
+class _OpKind:
+    """How the fairseq policy treats one aten operation (computed once per operation)."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.name = func._overloadpacket.__name__
+        # (position, name) of the arguments the operation writes into (in place, or out=)
+        self.written = [(i, a.name) for i, a in enumerate(schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write]
+        self.view = not self.written and any(r.alias_info is not None for r in schema.returns)
+        self.first_only = self.name in FIRST_OUTPUT_ONLY
+        self.amp = self.name in AMP_FP16_OPS
+
+
+class Fp16Emulation(TorchDispatchMode):
+    """Round to fp16 where an fp16 model would hold a tensor (module docstring), on this thread, for the
+    operations run inside ``with Fp16Emulation(policy):`` (forward, and backward when it is called inside).
+
+    The model's parameters must already hold fp16 values for the ``fairseq`` policy (``round_fp16`` them,
+    as ``.half()`` would); the policy keeps them so, since their gradients and updates go through an fp32
+    master copy (training/precision.py)."""
+
+    _kinds: dict = {}
+
+    def __init__(self, policy: str):
+        if policy not in FP16_POLICIES:
+            raise ValueError(f"fp16 emulation policy {policy!r}: choose one of {', '.join(FP16_POLICIES)}")
+        super().__init__()
+        self.policy = policy
+
+    def __enter__(self):
+        _stack().append(self.policy)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _stack().pop()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "aten" or _local.paused:  # collectives (c10d) and paused regions: as they are
+            return func(*args, **kwargs)
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _OpKind(func)
+        if self.policy == "amp":
+            if not kind.amp:
+                return func(*args, **kwargs)
+            args, kwargs = tree_map(_round_float32, (args, kwargs))  # autocast's casts of the inputs
+            return _round_outputs(func(*args, **kwargs), kind)
+        out = func(*args, **kwargs)
+        if kind.written:  # in place (or out=): the written tensor holds fp16 values
+            for i, name in kind.written:
+                t = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    t.copy_(round_fp16(t))
+            return out
+        if kind.view:  # no new values
+            return out
+        if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten((args, kwargs))[0]):
+            return out  # a factory or a cast from integers or booleans: exact draws and values
+        return _round_outputs(out, kind)
+
+
+def _round_outputs(out, kind: _OpKind):
+    if kind.first_only and isinstance(out, tuple):
+        return (_round_float32(out[0]), *out[1:])
+    return tree_map(_round_float32, out)
+
+
+def emulation(policy: str | None) -> contextlib.AbstractContextManager:
+    """``Fp16Emulation(policy)``, or a no-op context for None."""
+    return Fp16Emulation(policy) if policy else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def round_parameters_(module: torch.nn.Module) -> None:
+    """Round every floating parameter of ``module`` to fp16 values in place (the emulated ``.half()``)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.copy_(round_fp16(p))

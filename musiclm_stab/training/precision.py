@@ -1,0 +1,283 @@
+"""The trainer's arithmetic: fp32, bf16 autocast, and fp16 as fairseq or as torch amp computes it.
+
+A ``Precision`` does, for the trainer, what depends on the number format (``make_precision`` picks it):
+
+    prepare_model(model)        -> the parameters the optimizer updates (fp32 master copies for fairseq fp16)
+    forward()                   the context of the forward pass
+    begin_update(frames)        once per update, with the first micro-batch's masked frames
+    backward(loss, accum)       backpropagate one micro-batch's loss (scaled where a loss scaler is used)
+    step(model, optimizer, thr) unscale, measure the norm before clipping, clip, update or skip -> StepResult
+    loss_scale, state_dict()    logged as ``loss_scale`` / checkpointed (JSON)
+
+- ``train.mixed_precision`` no / bf16 (``Precision``): accelerate's autocast (none for fp32); a non-finite
+  gradient skips the update, which still counts as a step.
+- fp16, ``train.fp16_mode=amp`` (``AmpFp16``): torch autocast in fp16 (or its emulation, model/fp16_arith.py)
+  with torch's GradScaler at its defaults (what accelerate used); an overflowed update counts as a step.
+- fp16, ``train.fp16_mode=fairseq`` (``FairseqFp16``): fairseq's ``--fp16`` (its FP16Optimizer and
+  DynamicLossScaler), what MERT trained with. The model is fp16 (real half tensors, or fp32 tensors holding
+  fp16 values under the emulation), the optimizer updates fp32 master copies, which are rounded back into
+  the model after each update. fairseq's criterion sums the loss over masked frames, so its fp16 gradients
+  are loss_scale x the gradients of that sum; ours is a mean, so it is backpropagated times the masked frames
+  of the update's first micro-batch (one factor for the whole update: the update stays the mean over
+  micro-batches of the other modes) times the loss scale. The unscaled gradients are copied into the fp32
+  masters; an inf or NaN norm is an overflow: the update is skipped, the scale halved (training/loss_scaler.py),
+  and, as in fairseq, it is no update: the step and the learning-rate schedule do not advance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import nn
+
+from musiclm_stab.config import Config, ConfigError, TrainConfig
+from musiclm_stab.model.fp16_arith import Fp16Emulation, emulation, round_fp16, round_parameters_
+from musiclm_stab.training.loss_scaler import DynamicLossScaler
+
+MASTER_KEY = "fp32_master_params"  # where the fp32 master weights ride in the optimizer's state dict
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # total norm of the unscaled gradients before clipping (inf or NaN when not finite)
+    applied: bool  # the optimizer updated the parameters
+    overflow: bool  # fp16: the scaled gradients overflowed, the update was skipped and the loss scale lowered
+
+
+def fp16_impl(tcfg: TrainConfig, device: torch.device | str) -> str:
+    """``half`` or ``emulate``: ``train.fp16_impl``, with ``auto`` resolved by the device (half on CUDA)."""
+    if tcfg.fp16_impl != "auto":
+        return tcfg.fp16_impl
+    return "half" if torch.device(device).type == "cuda" else "emulate"
+
+
+def forward_context(tcfg: TrainConfig, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context of a forward pass in the run's precision, for evaluation outside the trainer (a model
+    loaded from a checkpoint: fp32 tensors, with fp16 values for a fairseq-mode run)."""
+    device = torch.device(device)
+    if tcfg.mixed_precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if tcfg.mixed_precision != "fp16":
+        return contextlib.nullcontext()
+    if tcfg.fp16_mode == "amp" and fp16_impl(tcfg, device) == "half":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return Fp16Emulation(tcfg.fp16_mode)  # the checkpoint's weights are fp32 tensors here
+
+
+class Precision:
+    """fp32 and bf16: accelerate's autocast; a non-finite gradient skips the update (still a step)."""
+
+    name = "native"
+    overflow_advances_step = True  # whether an overflowed (skipped) update still advances the step
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+
+    def describe(self) -> str:
+        return self.accelerator.mixed_precision
+
+    def prepare_model(self, model: nn.Module) -> list[nn.Parameter]:
+        return list(model.parameters())
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return self.accelerator.autocast()
+
+    def cast_input(self, wav: torch.Tensor) -> torch.Tensor:
+        return wav
+
+    def begin_update(self, frames: torch.Tensor) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor, accum: int) -> None:
+        self.accelerator.backward(loss / accum)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, threshold: float) -> StepResult:
+        norm = float(self.accelerator.clip_grad_norm_(model.parameters(), threshold))  # one host sync per step
+        finite = math.isfinite(norm)
+        if finite:
+            optimizer.step()
+        return StepResult(norm, applied=finite, overflow=False)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None
+
+    def grad_scale(self) -> float:
+        """The factor still in the model's gradients after backward (per-layer diagnostics divide it out)."""
+        return 1.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class AmpFp16(Precision):
+    """fp16 as torch amp computes it: autocast (or its emulation) and GradScaler at torch's defaults."""
+
+    name = "amp"
+
+    def __init__(self, accelerator: Accelerator, impl: str):
+        super().__init__(accelerator)
+        self.impl = impl
+        self.scaler = torch.amp.GradScaler(accelerator.device.type)  # init 65536, x2 after 2000 clean steps
+
+    def describe(self) -> str:
+        return f"fp16 (amp, {'emulated' if self.impl == 'emulate' else 'half'})"
+
+    def forward(self):
+        if self.impl == "half":
+            return torch.autocast(self.accelerator.device.type, dtype=torch.float16)
+        return Fp16Emulation("amp")
+
+    def backward(self, loss, accum):
+        with emulation("amp" if self.impl == "emulate" else None):
+            self.accelerator.backward(self.scaler.scale(loss / accum))
+
+    def step(self, model, optimizer, threshold):
+        self.scaler.unscale_(optimizer)
+        norm = float(self.accelerator.clip_grad_norm_(model.parameters(), threshold))
+        self.scaler.step(optimizer)  # skipped when unscale_ found inf or NaN
+        self.scaler.update()
+        overflow = not math.isfinite(norm)
+        return StepResult(norm, applied=not overflow, overflow=overflow)
+
+    @property
+    def loss_scale(self):
+        return float(self.scaler.get_scale())
+
+    def grad_scale(self):
+        return self.loss_scale
+
+    def state_dict(self):
+        return {"grad_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state["grad_scaler"])
+
+
+class FairseqFp16(Precision):
+    """fp16 as fairseq's ``--fp16`` computes it (module docstring): fp16 model, fp32 masters, its scaler."""
+
+    name = "fairseq"
+    overflow_advances_step = False  # fairseq: an overflowed update is no update (trainer.py set_num_updates)
+
+    def __init__(self, accelerator: Accelerator, tcfg: TrainConfig, impl: str):
+        super().__init__(accelerator)
+        self.impl = impl
+        # fairseq's default window: 2^14 / (data-parallel size x update_freq)
+        window = tcfg.fp16_scale_window or max(1, int(2**14 / (accelerator.num_processes * tcfg.grad_accum)))
+        self.scaler = DynamicLossScaler(loss_scale=tcfg.fp16_init_scale, scale_window=window,
+                                        tolerance=tcfg.fp16_scale_tolerance, min_loss_scale=tcfg.fp16_min_loss_scale)
+        self.accum = tcfg.grad_accum
+        self.frames = 1.0
+        self.params: list[nn.Parameter] = []
+        self.master: list[nn.Parameter] = []
+
+    def describe(self) -> str:
+        return (f"fp16 (fairseq, {'emulated' if self.impl == 'emulate' else 'half'}; loss scale "
+                f"{self.scaler.loss_scale:g}, window {self.scaler.scale_window}, floor {self.scaler.min_loss_scale:g})")
+
+    def prepare_model(self, model):
+        """Make ``model`` an fp16 model (``.half()``, or its parameters rounded to fp16 values under the
+        emulation; modules marked ``keeps_fp32`` stay fp32) on the accelerator's device, and return the
+        fp32 master copies of its parameters, built from the fp16 values as fairseq's FP16Optimizer does."""
+        model.to(self.accelerator.device)
+        if self.impl == "half":
+            model.half()
+            for module in model.modules():
+                if getattr(module, "keeps_fp32", False):
+                    module.float()
+        else:
+            round_parameters_(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        return self.master
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Carry the master weights in ``optimizer``'s state dict (a torch optimizer saves its state but not
+        its parameters' values), so that a checkpoint resumes exactly."""
+        optimizer.register_state_dict_post_hook(self._save_master)
+        optimizer.register_load_state_dict_pre_hook(self._load_master)
+
+    def _save_master(self, optimizer, state_dict):
+        state_dict[MASTER_KEY] = [m.detach() for m in self.master]
+        return state_dict
+
+    def _load_master(self, optimizer, state_dict):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(MASTER_KEY, None)
+        if saved is None or len(saved) != len(self.master):
+            raise ConfigError("the checkpoint's optimizer state has no fp32 master weights of this model: it was not "
+                              "written by a train.fp16_mode=fairseq run of the same model")
+        with torch.no_grad():
+            for m, s, p in zip(self.master, saved, self.params):
+                m.copy_(s)
+                p.copy_(s if self.impl == "half" else round_fp16(s.to(p.device)))
+        return state_dict
+
+    def forward(self):
+        return emulation("fairseq" if self.impl == "emulate" else None)
+
+    def cast_input(self, wav):
+        # fairseq's trainer casts the sample to half (apply_half); the emulation rounds it at the first operation
+        return wav.half() if self.impl == "half" else wav
+
+    def begin_update(self, frames):
+        self.frames = max(1.0, float(frames))
+
+    def backward(self, loss, accum):
+        with emulation("fairseq" if self.impl == "emulate" else None):
+            self.accelerator.backward(loss * (self.scaler.loss_scale * self.frames))
+
+    def grad_scale(self):
+        return self.scaler.loss_scale * self.frames * self.accum
+
+    def step(self, model, optimizer, threshold):
+        inv = 1.0 / self.grad_scale()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if p.grad is None:
+                    m.grad = torch.zeros_like(m)
+                else:  # fp16 gradients (under DDP their average, rounded as fp16 arithmetic would) -> fp32
+                    m.grad = round_fp16(p.grad.float()).mul_(inv)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, threshold))  # of the unscaled gradients
+        if not math.isfinite(norm):
+            self.scaler.overflow()  # halve the scale, or MinLossScaleError at the floor
+            return StepResult(norm, applied=False, overflow=True)
+        optimizer.step()
+        with torch.no_grad():  # the masters rounded back into the fp16 model
+            for p, m in zip(self.params, self.master):
+                p.copy_(m if self.impl == "half" else round_fp16(m))
+        self.scaler.update()
+        return StepResult(norm, applied=True, overflow=False)
+
+    @property
+    def loss_scale(self):
+        return self.scaler.loss_scale
+
+    def state_dict(self):
+        return {"loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state["loss_scaler"])
+
+
+def make_precision(cfg: Config, accelerator: Accelerator) -> Precision:
+    """The Precision of ``cfg.train`` (mixed_precision, fp16_mode, fp16_impl) on ``accelerator``."""
+    tcfg = cfg.train
+    if tcfg.mixed_precision != "fp16":
+        return Precision(accelerator)
+    impl = fp16_impl(tcfg, accelerator.device)
+    if tcfg.fp16_mode == "amp":
+        return AmpFp16(accelerator, impl)
+    if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise ConfigError(f"train.fp16_mode=fairseq runs on one process or under DDP, not under "
+                          f"{accelerator.distributed_type}; use train.fp16_mode=amp or bf16 there")
+    return FairseqFp16(accelerator, tcfg, impl)

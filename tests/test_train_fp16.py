@@ -1,0 +1,204 @@
+"""Training in fp16 on CPU (emulated): fairseq's --fp16 (master weights, its loss scaler, overflowed updates
+skipped and not counted, the floor ending the run, exact resume) and torch amp (GradScaler)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from musiclm_stab.config import load_config
+from musiclm_stab.model.fp16_arith import round_fp16
+from musiclm_stab.training.loss_scaler import DynamicLossScaler, MinLossScaleError
+from musiclm_stab.training.precision import MASTER_KEY
+from musiclm_stab.training.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
+
+
+def fp16_cfg(data, tmp_path, *overrides, name="run"):
+    return load_config("recipes/tiny.yaml", [
+        f"--data.path={data}", f"--train.output_dir={tmp_path}", f"--train.name={name}", "--data.crop_seconds=2.0",
+        "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=1", "--train.checkpoint_every=100",
+        "--train.mixed_precision=fp16", "--model.dropout=0.0", "--model.attention_dropout=0.0", *overrides])
+
+
+class OverflowTrainer(Trainer):
+    """The real trainer whose loss is inf at the chosen (step, micro-batch) pairs, each once."""
+
+    def __init__(self, cfg, resume=False, at=()):
+        super().__init__(cfg, resume)
+        self.due, self.seen = set(at), []
+
+    def perturb_loss(self, step, loss):
+        self.seen = self.seen + [step] if self.seen and self.seen[-1] == step else [step]
+        key = (step, len(self.seen) - 1)
+        if key in self.due:
+            self.due.discard(key)
+            return loss * float("inf")
+        return loss
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def state(trainer):
+    """Copies of everything an update may change: model, fp32 masters, optimizer state, lr."""
+    return {"model": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "master": [m.detach().clone() for m in trainer.precision.master],
+            "optimizer": copy.deepcopy({k: v for k, v in trainer.optimizer.state_dict().items() if k != MASTER_KEY}),
+            "lr": trainer.scheduler.get_last_lr()[0]}
+
+
+def assert_same(a, b):
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert all(torch.equal(x, y) for x, y in zip(a["master"], b["master"]))
+    for pid, s in a["optimizer"]["state"].items():
+        for key, value in s.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][key]), (pid, key)
+    assert a["lr"] == b["lr"]
+
+
+def test_fairseq_overflow_skips_update_halves_scale_and_is_no_step(tokenized_dataset, tmp_path):
+    """An overflow in fairseq mode: no parameter, master or optimizer-state change, the scale halves
+    (128 -> 64), and the step and the learning rate do not advance; the model holds fp16 values throughout."""
+    trainer = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5"), at=[(2, 0)])
+    assert trainer.precision.name == "fairseq" and trainer.precision.loss_scale == 128
+    trainer.train_step()
+    first = trainer.update()
+    assert first["advanced"] and not first["overflow"] and trainer.step == 1
+    before = state(trainer)
+    trainer.train_step()
+    result = trainer.update()
+    assert result["overflow"] and not result["advanced"] and not result["skipped"]
+    assert trainer.step == 1 and trainer.precision.loss_scale == 64
+    assert_same(before, state(trainer))
+    trainer.train_step()  # the same step again, with the next batch: applied
+    assert trainer.update()["advanced"] and trainer.step == 2
+    after = state(trainer)
+    assert not torch.equal(after["master"][0], before["master"][0])
+    for p, m in zip(trainer.precision.params, trainer.precision.master):
+        assert torch.equal(p.detach(), round_fp16(m.detach()))  # the model is the rounded masters
+
+
+def test_overflow_in_one_micro_batch_skips_the_whole_update(tokenized_dataset, tmp_path):
+    """With train.grad_accum=2 an inf in the second micro-batch only skips the whole accumulated update."""
+    trainer = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5", "--train.grad_accum=2"),
+                              at=[(2, 1)])
+    trainer.train_step()
+    trainer.update()
+    before = state(trainer)
+    trainer.train_step()
+    result = trainer.update()
+    assert result["overflow"] and trainer.step == 1 and trainer.precision.loss_scale == 64
+    assert_same(before, state(trainer))
+
+
+def test_scale_doubles_after_the_window(tokenized_dataset, tmp_path):
+    """fp16_scale_window=2: the scale doubles after every 2 clean updates (128 -> 256 -> 512), an overflow
+    halves it and restarts the count; metrics rows log loss_scale and overflow_step."""
+    cfg = fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5", "--train.fp16_scale_window=2")
+    trainer = OverflowTrainer(cfg, at=[(3, 0)])
+    scales = []
+    for _ in range(6):
+        trainer.train_step()
+        trainer.update()
+        scales.append(trainer.precision.loss_scale)
+    # updates 1, 2 clean (x2 after 2), overflow at step 3 (/2), then 3, 4 clean (x2 after 2 since it)
+    assert scales == [128, 256, 128, 128, 256, 256]
+
+
+def test_min_loss_scale_ends_the_run_with_a_clear_error(tokenized_dataset, tmp_path):
+    """Overflows at every update from step 2: the scale halves to its floor and the run ends with
+    MinLossScaleError naming the step and the floor; metrics.jsonl ends with a min_loss_scale event."""
+    cfg = fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5", "--train.fp16_init_scale=4",
+                   "--train.fp16_min_loss_scale=0.5")
+    class Always(OverflowTrainer):
+        def perturb_loss(self, step, loss):
+            return loss * float("inf") if step >= 2 else loss
+
+    trainer = Always(cfg)
+    with pytest.raises(MinLossScaleError, match=r"step 2: the fp16 loss scale would fall to 0.5.*fp16_min_loss_scale=0.5"):
+        trainer.run()
+    last = rows(trainer.run_dir)[-1]
+    assert last["event"] == "min_loss_scale" and last["step"] == 1 and last["loss_scale"] == 1.0
+    assert last["overflow_step"] == 3  # 4 -> 2 -> 1, then the halving to 0.5 ends it
+
+
+def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
+    """Stopped at step 3 and resumed, a fairseq-fp16 run (with an overflow and window doublings) logs the same
+    rows, loss scale included, and ends with the same weights as an uninterrupted run."""
+    common = ["--train.max_steps=6", "--train.fp16_scale_window=2", "--train.checkpoint_every=3"]
+    straight = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="straight"), at=[(2, 0)])
+    straight.run()
+    first = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, "--train.stop_at=3", name="split"),
+                            at=[(2, 0)])
+    first.run()
+    resumed = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="split"), resume=True)
+    assert resumed.step == 3
+    resumed.run()
+    a, b = rows(straight.run_dir), rows(resumed.run_dir)
+    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
+    assert [r["overflow_step"] for r in a] == [0, 1, 0, 0, 0, 0]
+    assert all("loss_scale" in r for r in a)
+    for ra, rb in zip(a, b):
+        ra, rb = dict(ra), dict(rb)
+        ra.pop("audio_s_per_s"), rb.pop("audio_s_per_s")
+        assert ra == rb
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    assert all(torch.equal(x, y) for x, y in zip(straight.precision.master, resumed.precision.master))
+
+
+def test_amp_mode_on_cpu_uses_grad_scaler_and_counts_overflows_as_steps(tokenized_dataset, tmp_path):
+    """train.fp16_mode=amp on CPU: emulated autocast, GradScaler at 65536; an overflow halves it, skips the
+    update and (as amp always did) still counts as a step."""
+    trainer = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=5", "--train.fp16_mode=amp"),
+                              at=[(2, 0)])
+    assert trainer.precision.name == "amp" and trainer.precision.loss_scale == 65536
+    trainer.train_step()
+    trainer.update()  # may overflow by itself at 65536 (GradScaler's usual first steps)
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    scale = trainer.precision.loss_scale
+    trainer.train_step()
+    result = trainer.update()
+    assert result["overflow"] and result["advanced"] and trainer.step == 2
+    assert trainer.precision.loss_scale == scale / 2
+    assert all(torch.equal(p, params[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_loss_scaler_rules():
+    """DynamicLossScaler: doubles after `window` updates since the last overflow, halves on overflow, raises
+    below the floor keeping the scale, and tolerance keeps the scale while overflows are rare."""
+    s = DynamicLossScaler(loss_scale=8.0, scale_window=3, min_loss_scale=1.0)
+    for _ in range(3):
+        s.update()
+    assert s.loss_scale == 16.0
+    s.overflow()
+    assert s.loss_scale == 8.0
+    s.update(), s.update()
+    assert s.loss_scale == 8.0
+    s.update()
+    assert s.loss_scale == 16.0
+    s.overflow(), s.overflow(), s.overflow()
+    assert s.loss_scale == 2.0
+    with pytest.raises(MinLossScaleError):
+        s.overflow()
+    assert s.loss_scale == 2.0
+    lenient = DynamicLossScaler(loss_scale=8.0, scale_window=100, tolerance=0.5)
+    for _ in range(4):
+        lenient.update()
+    lenient.overflow()  # 1 overflow in 5 iterations since the start: below 0.5, kept
+    assert lenient.loss_scale == 8.0
+    lenient.overflow()
+    lenient.overflow()  # 3 of 7: still below
+    assert lenient.loss_scale == 8.0
+    lenient.overflow()  # 4 of 8: halved
+    assert lenient.loss_scale == 4.0
+    restored = DynamicLossScaler()
+    restored.load_state_dict(json.loads(json.dumps(lenient.state_dict())))
+    assert restored.state_dict() == lenient.state_dict()
