@@ -362,6 +362,7 @@ class TrainConfig:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("train.fp16_mode", self.fp16_mode, FP16_MODES)
         _choice("train.fp16_impl", self.fp16_impl, FP16_IMPLS)
+        _at_least("train.fp16_init_scale", self.fp16_init_scale, 0, strict=True)
         if not 0 < self.fp16_min_loss_scale < self.fp16_init_scale:
             raise ConfigError(f"train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale="
                               f"{self.fp16_init_scale}, got {self.fp16_min_loss_scale}")

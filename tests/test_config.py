@@ -182,6 +182,17 @@ RANGES = [
     ("--train.max_rollbacks=-1", "train.max_rollbacks must be >= 0, got -1"),
     ("--train.spike_z=0", "train.spike_z must be > 0, got 0.0"),
     ("--train.spike_warmup=-1", "train.spike_warmup must be in [0, train.spike_window=50], got -1"),
+    # fp16's loss scaler: a scale of 0 was refused as if train.fp16_min_loss_scale were wrong
+    ("--train.fp16_init_scale=0", "train.fp16_init_scale must be > 0, got 0.0"),
+    ("--train.fp16_init_scale=-128", "train.fp16_init_scale must be > 0, got -128.0"),
+    ("--train.fp16_min_loss_scale=-1", "train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale=128.0, "
+                                       "got -1.0"),
+    ("--train.fp16_min_loss_scale=128", "train.fp16_min_loss_scale must be > 0 and below "
+                                        "train.fp16_init_scale=128.0, got 128.0"),
+    ("--train.fp16_scale_window=-1", "train.fp16_scale_window must be >= 1 (or null), got -1"),
+    ("--train.fp16_scale_tolerance=-0.1", "train.fp16_scale_tolerance must be in [0, 1], got -0.1"),
+    ("--train.fp16_scale_tolerance=1.5", "train.fp16_scale_tolerance must be in [0, 1], got 1.5"),
+    ("--train.global_batch_crops=-4", "train.global_batch_crops must be >= 1 (or null), got -4"),
 ]
 
 
@@ -201,6 +212,19 @@ def test_the_limits_themselves_are_accepted():
                              "--train.spike_warmup=50", "--data.mixup_gain_db=[-3,-3]",
                              f"--train.seed={2**32 - 1 - 1000}"])
     assert (cfg.train.seed, cfg.train.spike_warmup, cfg.optim.betas) == (2**32 - 1001, 50, (0.0, 0.0))
+
+
+def test_the_fp16_limits_themselves_are_accepted():
+    """The edge values of the loss scaler's settings are valid (window 1, tolerance 0 and 1, a tiny scale
+    above a tinier floor, no window: fairseq's default), as is one crop per update."""
+    for args in (["--train.fp16_scale_window=1", "--train.fp16_scale_tolerance=0", "--train.global_batch_crops=1",
+                  "--train.fp16_init_scale=1e-3", "--train.fp16_min_loss_scale=1e-6"],
+                 ["--train.fp16_scale_window=null", "--train.fp16_scale_tolerance=1"]):
+        tcfg = load_config(None, args).train
+        given = {a.split("=")[0].split(".")[1]: a.split("=")[1] for a in args}
+        for key, text in given.items():
+            expected = None if text == "null" else type(getattr(tcfg, key))(float(text))
+            assert getattr(tcfg, key) == expected, key
 
 
 def test_roundtrip_through_run_dir(tmp_path):
