@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,6 +16,26 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py + faults + an exit report
+# torchrun on a free port of the OS's choosing (--standalone: its store listens on port 0). A fixed
+# --master_port failed the launch (EADDRINUSE) whenever anything else on the machine held that port, such as
+# these tests run from another checkout at the same time; the ports these tests used to fix, and torchrun's
+# default, are held by test_every_exit_of_a_two_process_run_stops_gloo_before_teardown to keep it so.
+TORCHRUN = [str(BIN / "torchrun"), "--standalone"]
+FIXED_PORTS = (29500, 29517, 29519)
+
+
+@contextlib.contextmanager
+def ports_taken(ports: tuple[int, ...]):
+    """Listen on ``ports`` meanwhile (one held by another process already is taken either way)."""
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("0.0.0.0", port))
+                s.listen()
+            except OSError:
+                pass
+        yield
 
 
 def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0, use_cpu: bool = True) -> str:
@@ -33,7 +54,7 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
     else:  # `accelerate launch --cpu` starts one process here; torchrun + ACCELERATE_USE_CPU gives real gloo ranks
         if use_cpu:
             env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(procs), "--master_port", "29517", *script]
+        cmd = [*TORCHRUN, "--nproc_per_node", str(procs), *script]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert rc or f"{procs} process(es)" in proc.stdout, proc.stdout[-2000:]
@@ -94,9 +115,9 @@ def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str =
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "TRAIN_FAULT": fault,
            "OMP_NUM_THREADS": "1"}
     if torchrun:
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29519", "--log-dir", str(logs),
-               "--redirects", "3", *args]
-        code = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600).returncode
+        cmd = [*TORCHRUN, "--nproc_per_node", "2", "--log-dir", str(logs), "--redirects", "3", *args]
+        with ports_taken(FIXED_PORTS):  # as by anything else on the machine: the launch must not need them
+            code = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600).returncode
         return {int(p.parent.name): (code, (p.parent / "stdout.log").read_text() + p.read_text())
                 for p in logs.rglob("stderr.log")}
     with socket.socket() as s:  # a free port for rank 0's store
@@ -116,7 +137,8 @@ def test_every_exit_of_a_two_process_run_stops_gloo_before_teardown(tokenized_da
     stopped by an unexpected exception (with a checkpoint write maybe in flight) leave no gloo thread
     running when main returns, on either rank: destroy_process_group alone left 3 per rank to the
     interpreter's teardown (torch.distributed.nn's default arguments, imported by DDP, held the group),
-    where they sometimes aborted the rank (exit -6)."""
+    where they sometimes aborted the rank (exit -6). The torchrun launch runs with torchrun's default port
+    and the ports these tests once fixed held by this process: it failed whenever another process held them."""
     runs = [("finished", (), "", True, 0, "done: "),
             ("refused", ("--resume", "--optim.lr=1.5e-4"), "", False, 2, "error: cannot resume"),
             ("crashed", ("--resume", "--train.max_steps=6"), "raise:5", False, 1,
