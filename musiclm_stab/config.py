@@ -7,7 +7,8 @@ another: ``--config recipe.yaml --config recipes/overlays/tiny.yaml``. Command-l
 ``runs/<name>/config.yaml`` and is what evaluation, plotting and export read back.
 
 Every value is validated here, before any work starts: unknown keys, bad types and unknown choices
-fail with a message that names the setting and the valid choices.
+fail with a message that names the setting and the valid choices; every number must be finite (checked
+over all fields of every section, so a new setting is covered too) and in its range.
 
 Per-size defaults. The settings that MERT's two configs set differently (``SIZE_DEFAULTS``: dimensions,
 norm placement, dropouts, layerdrop, feature_grad_mult, final_dim, noise-mixup segment lengths) default
@@ -21,6 +22,7 @@ line wins over the size's. ``load_config`` returns the resolved config, and the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -87,6 +89,25 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
+def _at_least(name: str, value: float | None, low: float, strict: bool = False) -> None:
+    """``value >= low`` (``> low`` when strict); None (the size's value, or off) passes."""
+    if value is not None and (value <= low if strict else value < low):
+        raise ConfigError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+
+
+def _finite(section: str, values: Any) -> None:
+    """Every float of a config section (alone or in a tuple/list) is finite.
+
+    nan fails every comparison, so a range check written as ``if value <= 0: raise`` lets it through, and
+    inf passes every lower bound; one check over all fields covers every setting, present and future.
+    """
+    for f in dataclasses.fields(values):
+        value = getattr(values, f.name)
+        numbers = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
+
+
 @dataclass
 class DataConfig:
     # Tokenized dataset (musiclm-stab tokenize ...), or a list of them, e.g. the shards of --shard i/n:
@@ -134,9 +155,15 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        _at_least("data.num_workers", self.num_workers, 0)
         _choice("data.mixup_mode", self.mixup_mode, MIXUP_MODES)
         if not 0.0 <= self.mixup_prob <= 1.0:
             raise ConfigError(f"data.mixup_prob must be in [0, 1], got {self.mixup_prob}")
+        _at_least("data.mixup_max_segments", self.mixup_max_segments, 1)
+        if self.mixup_gain_db[0] > self.mixup_gain_db[1]:
+            raise ConfigError(f"data.mixup_gain_db must be [low, high] with low <= high, got "
+                              f"{list(self.mixup_gain_db)}")
+        _at_least("data.order_seed", self.order_seed, 0)
         if self.mixup_min_seconds is not None and self.mixup_max_seconds is not None:
             if not 0 < self.mixup_min_seconds <= self.mixup_max_seconds:
                 raise ConfigError("data.mixup_min_seconds must be > 0 and <= data.mixup_max_seconds")
@@ -198,6 +225,13 @@ class ModelConfig:
         _choice("model.attention", self.attention, ATTENTION_FORMS)
         _choice("model.norm_type", self.norm_type, NORM_TYPES)
         _choice("model.init", self.init, INIT_SCHEMES)
+        for name in ("num_layers", "width", "ffn_dim", "num_heads", "conv_dim", "final_dim", "num_codebooks",
+                     "codebook_size", "cqt_bins", "cqt_bins_per_octave", "pos_conv_kernel", "pos_conv_groups"):
+            _at_least(f"model.{name}", getattr(r, name), 1)
+        for name in ("logit_temp", "cqt_fmin"):
+            _at_least(f"model.{name}", getattr(r, name), 0, strict=True)
+        for name in ("feature_grad_mult", "musical_weight", "features_pen_weight"):
+            _at_least(f"model.{name}", getattr(r, name), 0)
         if r.width % r.num_heads:
             raise ConfigError(f"model.width={r.width} must be divisible by model.num_heads={r.num_heads}")
         if r.width % self.pos_conv_groups:
@@ -246,6 +280,10 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must be in [0, 1), got {list(self.betas)}")
+        _at_least("optim.eps", self.eps, 0)
+        _at_least("optim.weight_decay", self.weight_decay, 0)
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.warmup_share < 1.0:
@@ -253,6 +291,8 @@ class OptimConfig:
         _choice("optim.clip_mode", self.clip_mode, CLIP_MODES)
         if self.clip_grad <= 0:
             raise ConfigError(f"optim.clip_grad must be > 0, got {self.clip_grad}")
+        _at_least("optim.clip_warmup", self.clip_warmup, 0)
+        _at_least("optim.zclip_z", self.zclip_z, 0, strict=True)
         if not 0 < self.zclip_alpha < 1:
             raise ConfigError(f"optim.zclip_alpha must be in (0, 1), got {self.zclip_alpha}")
         if not 0 < self.autoclip_percentile <= 100:
@@ -322,6 +362,7 @@ class TrainConfig:
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("train.fp16_mode", self.fp16_mode, FP16_MODES)
         _choice("train.fp16_impl", self.fp16_impl, FP16_IMPLS)
+        _at_least("train.fp16_init_scale", self.fp16_init_scale, 0, strict=True)
         if not 0 < self.fp16_min_loss_scale < self.fp16_init_scale:
             raise ConfigError(f"train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale="
                               f"{self.fp16_init_scale}, got {self.fp16_min_loss_scale}")
@@ -352,6 +393,14 @@ class TrainConfig:
             _choice("train.trackers", tracker, TRACKERS)
         if self.stop_at is not None and self.stop_at < 1:
             raise ConfigError(f"train.stop_at must be >= 1, got {self.stop_at}")
+        for name in ("run", "seed", "spike_min_rel", "max_rollbacks"):
+            _at_least(f"train.{name}", getattr(self, name), 0)
+        if self.seed + 1000 * self.run >= 2**32:  # the seed of the run's RNGs (numpy's must fit 32 bits)
+            raise ConfigError(f"train.seed + 1000 * train.run must be < 2**32, got {self.seed} + 1000 * {self.run}")
+        _at_least("train.spike_z", self.spike_z, 0, strict=True)
+        if not 0 <= self.spike_warmup <= self.spike_window:  # more than the window holds: never a spike
+            raise ConfigError(f"train.spike_warmup must be in [0, train.spike_window={self.spike_window}], "
+                              f"got {self.spike_warmup}")
 
 
 @dataclass
@@ -362,6 +411,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> Config:
+        for f in dataclasses.fields(self):
+            _finite(f.name, getattr(self, f.name))
         for section in (self.data, self.model, self.optim, self.train):
             section.validate()
         data = self.data.resolved(self.model.size)  # per-size values are checked once filled in

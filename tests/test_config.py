@@ -74,6 +74,11 @@ BAD_SETTINGS = [
     ("--train.eval_every=3 --train.log_every=2", "train.eval_every=3 must be 0 (off) or a multiple of train.log_every=2"),
     ("--train.eval_batches=-1", "train.eval_batches must be >= 0 (0 = all), got -1"),
     ("--train.trackers=[tb]", "train.trackers='tb' is not valid; choose one of: all, tensorboard"),
+    ("--optim.lr=nan", "optim.lr must be a finite number, got nan"),
+    ("--optim.betas=[0.9,1]", "optim.betas must be in [0, 1), got [0.9, 1.0]"),
+    ("--data.mixup_gain_db=[0,-10]", "data.mixup_gain_db must be [low, high] with low <= high, got [0.0, -10.0]"),
+    ("--train.spike_warmup=60", "train.spike_warmup must be in [0, train.spike_window=50], got 60"),
+    ("--train.seed=4294967000", "train.seed + 1000 * train.run must be < 2**32, got 4294967000 + 1000 * 1"),
 ]
 
 
@@ -92,6 +97,134 @@ def test_docs_list_every_config_error():
     section = page.split("## Config errors\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| [^|]* \| `([^`]*)` \| `([^`]*)` \|$", section, flags=re.M)
     assert sorted(rows) == sorted(BAD_SETTINGS)
+
+
+def _number_settings() -> list[tuple[str, str]]:
+    """(section, key) of every setting whose type holds floats: float, float | None, tuple[float, ...]."""
+    import dataclasses
+    import typing
+
+    from musiclm_stab.config import Config
+
+    out = []
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(section.default_factory)
+        for key, hint in hints.items():
+            if float in (hint, *typing.get_args(hint)):
+                out.append((section.name, key))
+    return out
+
+
+def test_every_float_setting_is_covered():
+    """The finiteness test below reaches settings of every section (so it is not vacuous)."""
+    found = _number_settings()
+    assert {s for s, _ in found} == {"data", "model", "optim", "train"}
+    assert {("optim", "lr"), ("train", "spike_z"), ("data", "crop_seconds"), ("optim", "betas"),
+            ("data", "mixup_min_seconds")} <= set(found)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("section, key", _number_settings())
+def test_every_number_setting_must_be_finite(section, key, value):
+    """nan, inf and -inf are refused for every float setting of every section, naming the setting (nan
+    passed every range check written as `if value <= 0: raise`, inf every lower bound)."""
+    from musiclm_stab.config import Config
+
+    default = getattr(getattr(Config(), section), key)
+    given = f"[{value},{value}]" if isinstance(default, tuple) else value
+    with pytest.raises(ConfigError, match=re.escape(f"{section}.{key} must be a finite number, got ")):
+        load_config(None, [f"--{section}.{key}={given}"])
+
+
+def test_non_finite_numbers_in_a_recipe_are_refused(tmp_path):
+    """YAML's .nan and .inf in a recipe are refused like the command line's, naming the setting."""
+    for text, message in [("optim:\n  lr: .nan\n", "optim.lr must be a finite number, got nan"),
+                          ("train:\n  spike_z: .nan\n", "train.spike_z must be a finite number, got nan"),
+                          ("data:\n  crop_seconds: .inf\n", "data.crop_seconds must be a finite number, got inf")]:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(recipe)
+
+
+def test_an_infinite_crop_is_a_config_error_before_any_work(tmp_path, capsys):
+    """--data.crop_seconds=inf: exit code 2 and one line naming the setting (it failed later, with a
+    traceback), and no run directory."""
+    from musiclm_stab.training.trainer import main
+
+    rc = main(["--config", "recipes/tiny.yaml", "--data.crop_seconds=inf", f"--train.output_dir={tmp_path / 'runs'}"])
+    assert rc == 2
+    assert capsys.readouterr().err == "error: data.crop_seconds must be a finite number, got inf\n"
+    assert not (tmp_path / "runs").exists()
+
+
+# The range checks of the settings that had none (README's table shows one example of each kind).
+RANGES = [
+    ("--data.num_workers=-1", "data.num_workers must be >= 0, got -1"),
+    ("--data.mixup_max_segments=0", "data.mixup_max_segments must be >= 1, got 0"),
+    ("--data.order_seed=-1", "data.order_seed must be >= 0, got -1"),
+    *[(f"--model.{k}=0", f"model.{k} must be >= 1, got 0")
+      for k in ("num_layers", "width", "ffn_dim", "num_heads", "conv_dim", "final_dim", "num_codebooks",
+                "codebook_size", "cqt_bins", "cqt_bins_per_octave", "pos_conv_kernel", "pos_conv_groups")],
+    ("--model.logit_temp=0", "model.logit_temp must be > 0, got 0.0"),
+    ("--model.cqt_fmin=0", "model.cqt_fmin must be > 0, got 0.0"),
+    ("--model.feature_grad_mult=-0.1", "model.feature_grad_mult must be >= 0, got -0.1"),
+    ("--model.musical_weight=-1", "model.musical_weight must be >= 0, got -1.0"),
+    ("--model.features_pen_weight=-1", "model.features_pen_weight must be >= 0, got -1.0"),
+    ("--optim.betas=[-0.1,0.9]", "optim.betas must be in [0, 1), got [-0.1, 0.9]"),
+    ("--optim.eps=-1e-8", "optim.eps must be >= 0, got -1e-08"),
+    ("--optim.weight_decay=-0.01", "optim.weight_decay must be >= 0, got -0.01"),
+    ("--optim.clip_warmup=-1", "optim.clip_warmup must be >= 0, got -1"),
+    ("--optim.zclip_z=0", "optim.zclip_z must be > 0, got 0.0"),
+    ("--train.run=-1", "train.run must be >= 0, got -1"),
+    ("--train.seed=-1", "train.seed must be >= 0, got -1"),
+    ("--train.spike_min_rel=-0.1", "train.spike_min_rel must be >= 0, got -0.1"),
+    ("--train.max_rollbacks=-1", "train.max_rollbacks must be >= 0, got -1"),
+    ("--train.spike_z=0", "train.spike_z must be > 0, got 0.0"),
+    ("--train.spike_warmup=-1", "train.spike_warmup must be in [0, train.spike_window=50], got -1"),
+    # fp16's loss scaler: a scale of 0 was refused as if train.fp16_min_loss_scale were wrong
+    ("--train.fp16_init_scale=0", "train.fp16_init_scale must be > 0, got 0.0"),
+    ("--train.fp16_init_scale=-128", "train.fp16_init_scale must be > 0, got -128.0"),
+    ("--train.fp16_min_loss_scale=-1", "train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale=128.0, "
+                                       "got -1.0"),
+    ("--train.fp16_min_loss_scale=128", "train.fp16_min_loss_scale must be > 0 and below "
+                                        "train.fp16_init_scale=128.0, got 128.0"),
+    ("--train.fp16_scale_window=-1", "train.fp16_scale_window must be >= 1 (or null), got -1"),
+    ("--train.fp16_scale_tolerance=-0.1", "train.fp16_scale_tolerance must be in [0, 1], got -0.1"),
+    ("--train.fp16_scale_tolerance=1.5", "train.fp16_scale_tolerance must be in [0, 1], got 1.5"),
+    ("--train.global_batch_crops=-4", "train.global_batch_crops must be >= 1 (or null), got -4"),
+]
+
+
+@pytest.mark.parametrize("args, message", RANGES)
+def test_number_settings_out_of_range_are_refused(args, message):
+    """Each number setting without a range check before has one now, naming it (model.num_heads=0 was a
+    ZeroDivisionError, a negative train.seed failed in numpy at the start of the run)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, args.split())
+
+
+def test_the_limits_themselves_are_accepted():
+    """The edge values of the new ranges are valid settings."""
+    cfg = load_config(None, ["--data.num_workers=0", "--data.mixup_max_segments=1", "--data.order_seed=0",
+                             "--model.feature_grad_mult=0", "--optim.betas=[0,0]", "--optim.eps=0",
+                             "--optim.weight_decay=0", "--optim.clip_warmup=0", "--train.run=0", "--train.seed=0",
+                             "--train.spike_warmup=50", "--data.mixup_gain_db=[-3,-3]",
+                             f"--train.seed={2**32 - 1 - 1000}"])
+    assert (cfg.train.seed, cfg.train.spike_warmup, cfg.optim.betas) == (2**32 - 1001, 50, (0.0, 0.0))
+
+
+def test_the_fp16_limits_themselves_are_accepted():
+    """The edge values of the loss scaler's settings are valid (window 1, tolerance 0 and 1, a tiny scale
+    above a tinier floor, no window: fairseq's default), as is one crop per update."""
+    for args in (["--train.fp16_scale_window=1", "--train.fp16_scale_tolerance=0", "--train.global_batch_crops=1",
+                  "--train.fp16_init_scale=1e-3", "--train.fp16_min_loss_scale=1e-6"],
+                 ["--train.fp16_scale_window=null", "--train.fp16_scale_tolerance=1"]):
+        tcfg = load_config(None, args).train
+        given = {a.split("=")[0].split(".")[1]: a.split("=")[1] for a in args}
+        for key, text in given.items():
+            expected = None if text == "null" else type(getattr(tcfg, key))(float(text))
+            assert getattr(tcfg, key) == expected, key
 
 
 def test_roundtrip_through_run_dir(tmp_path):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import yaml
 
 from musiclm_stab.analysis.evaluate import evaluate
 from musiclm_stab.config import load_config
+from musiclm_stab.data.tokenized import DuplicateRows, IncompleteShards, load_tokenized
 from musiclm_stab.tokenizer.merge import merge_shards
 from musiclm_stab.tokenizer.pipeline import tokenize
-from musiclm_stab.training.trainer import Trainer
+from musiclm_stab.training.trainer import Trainer, main
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 
@@ -61,6 +63,46 @@ def test_sharded_input_trains_like_the_merged_folder(shards, tmp_path):
     assert on_shards["data"] == [str(s1), str(s0)] and on_merged["data"] == str(merged)
     assert {k: v for k, v in on_shards.items() if k.startswith("eval/")} == \
         {k: v for k, v in on_merged.items() if k.startswith("eval/")}
+
+
+def test_folders_that_repeat_rows_are_refused(shards, tmp_path):
+    """One folder twice (also through a symlink), a merged output with one of its shards, and a shard with
+    a copy of itself are refused with DuplicateRows naming both folders (they loaded every row twice);
+    training with such a data.path exits with code 2 and that message, before any work."""
+    (s0, s1), merged = shards
+    with pytest.raises(DuplicateRows, match=f"{s0} is given twice"):
+        load_tokenized([s0, s1, s0])
+    (tmp_path / "link").symlink_to(s0)
+    with pytest.raises(DuplicateRows, match=f"{s0} is given twice .*{tmp_path / 'link'}"):
+        load_tokenized([s0, tmp_path / "link", s1])
+    for streaming in (False, True):
+        with pytest.raises(DuplicateRows, match=f"{merged} and {s1} hold the same rows"):
+            load_tokenized([merged, s1], streaming=streaming)
+    shutil.copytree(s1, tmp_path / "copy")  # no shared files: caught by the work units of one tokenization
+    with pytest.raises(DuplicateRows, match=rf"{s1} and {tmp_path / 'copy'} hold the same rows \(work unit \d+ of"):
+        load_tokenized([s0, s1, tmp_path / "copy"])
+    assert len(load_tokenized([s1, s0])[0]) == len(load_tokenized(merged)[0]) > 0  # each once: fine
+
+    rc = main(["--config", "recipes/tiny.yaml", f"--data.path=[{merged},{s0}]", f"--train.output_dir={tmp_path / 'runs'}"])
+    assert rc == 2 and not (tmp_path / "runs").exists()
+
+
+def test_an_incomplete_set_of_shards_is_refused_unless_asked_for(shards, tmp_path, capsys):
+    """A shard without the other shards of its tokenization is refused (IncompleteShards, naming the shard
+    there and the one missing); partial_shards=True loads it, and exactly its rows; with the merged
+    output a shard is a duplicate, not a completion. Training on one shard exits with code 2."""
+    (s0, s1), merged = shards
+    for given in ([s1], s1):
+        with pytest.raises(IncompleteShards, match=rf"{s1}: shard\(s\) 1/2 of a tokenization in 2 shards, "
+                                                    r"without 0/2: 1 of 2 parts"):
+            load_tokenized(given)
+    part, info = load_tokenized(s1, partial_shards=True)
+    whole = load_tokenized([s0, s1])[0]
+    assert info["shard"] == "1/2" and 0 < len(part) < len(whole)
+    assert set(part["id"]) < set(whole["id"])
+    rc = main(["--config", "recipes/tiny.yaml", f"--data.path={s0}", f"--train.output_dir={tmp_path / 'runs'}"])
+    assert rc == 2 and "without 1/2" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_streaming_run_trains_and_resumes_exactly(tokenized_dataset, tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,27 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py + faults + an exit report
+# torchrun on a free port of the OS's choosing (--standalone: its store listens on port 0). A fixed
+# --master_port failed the launch (EADDRINUSE) whenever anything else on the machine held that port, such as
+# these tests run from another checkout at the same time; the ports these tests used to fix, and torchrun's
+# default, are held by test_every_exit_of_a_two_process_run_stops_gloo_before_teardown to keep it so.
+TORCHRUN = [str(BIN / "torchrun"), "--standalone"]
+FIXED_PORTS = (29500, 29517, 29519)
+
+
+@contextlib.contextmanager
+def ports_taken(ports: tuple[int, ...]):
+    """Listen on ``ports`` meanwhile (one held by another process already is taken either way)."""
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("0.0.0.0", port))
+                s.listen()
+            except OSError:
+                pass
+        yield
 
 
 def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0, use_cpu: bool = True) -> str:
@@ -31,7 +54,7 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
     else:  # `accelerate launch --cpu` starts one process here; torchrun + ACCELERATE_USE_CPU gives real gloo ranks
         if use_cpu:
             env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(procs), "--master_port", "29517", *script]
+        cmd = [*TORCHRUN, "--nproc_per_node", str(procs), *script]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert rc or f"{procs} process(es)" in proc.stdout, proc.stdout[-2000:]
@@ -77,3 +100,53 @@ def test_layerdrop_trains_under_ddp(tokenized_dataset, tmp_path):
     launch(tokenized_dataset, tmp_path, "layerdrop", 2, "--model.layerdrop=0.5", "--train.max_steps=3")
     rows = last_rows(tmp_path / "layerdrop")
     assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows.values())
+
+
+def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str = "",
+                     torchrun: bool = True) -> dict[int, tuple[int, str]]:
+    """2 gloo processes of tests/train_faults.py (pretrain.py that reports on its exit): {rank: (exit code,
+    output)}. Under torchrun (its exit code for both ranks), or started here with the variables torchrun
+    sets: then each rank exits by itself (torchrun stops the other ranks when one fails, and a rank
+    stopped before its report would make the test flaky)."""
+    logs = out / f"logs-{name}-{len(list(out.glob(f'logs-{name}-*')))}"
+    args = [str(FAULTS), "--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}",
+            f"--train.output_dir={out}", f"--train.name={name}", "--data.batch_size=1", "--data.crop_seconds=2.0",
+            "--data.eval_fraction=0.3", "--train.max_steps=3", "--train.checkpoint_every=1", *extra]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "TRAIN_FAULT": fault,
+           "OMP_NUM_THREADS": "1"}
+    if torchrun:
+        cmd = [*TORCHRUN, "--nproc_per_node", "2", "--log-dir", str(logs), "--redirects", "3", *args]
+        with ports_taken(FIXED_PORTS):  # as by anything else on the machine: the launch must not need them
+            code = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600).returncode
+        return {int(p.parent.name): (code, (p.parent / "stdout.log").read_text() + p.read_text())
+                for p in logs.rglob("stderr.log")}
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, *args], cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": str(rank),
+                                              "LOCAL_RANK": str(rank)})
+             for rank in (0, 1)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    return {rank: (procs[rank].returncode, outputs[rank]) for rank in (0, 1)}
+
+
+def test_every_exit_of_a_two_process_run_stops_gloo_before_teardown(tokenized_dataset, tmp_path):
+    """A finished 2-process run (torchrun), one refused with a config error after DDP is set up, and one
+    stopped by an unexpected exception (with a checkpoint write maybe in flight) leave no gloo thread
+    running when main returns, on either rank: destroy_process_group alone left 3 per rank to the
+    interpreter's teardown (torch.distributed.nn's default arguments, imported by DDP, held the group),
+    where they sometimes aborted the rank (exit -6). The torchrun launch runs with torchrun's default port
+    and the ports these tests once fixed held by this process: it failed whenever another process held them."""
+    runs = [("finished", (), "", True, 0, "done: "),
+            ("refused", ("--resume", "--optim.lr=1.5e-4"), "", False, 2, "error: cannot resume"),
+            ("crashed", ("--resume", "--train.max_steps=6"), "raise:5", False, 1,
+             "RuntimeError: injected fault after update 5")]
+    for what, extra, fault, torchrun, rc, said in runs:
+        ranks = launch_reporting(tokenized_dataset, tmp_path, "run", *extra, fault=fault, torchrun=torchrun)
+        assert sorted(ranks) == [0, 1], (what, ranks)
+        for rank, (code, out) in ranks.items():
+            assert code == rc and "process group left before exit: True" in out, (what, rank, code, out[-2000:])
+            assert "gloo threads left before exit: 0" in out, (what, rank, out[-2000:])
+        assert said in ranks[0][1], (what, ranks[0][1][-2000:])

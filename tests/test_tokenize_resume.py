@@ -198,6 +198,33 @@ def test_the_lock_dies_with_its_holder_even_while_a_child_of_it_lives(tmp_path):
         os.kill(child, signal.SIGKILL)
 
 
+def test_a_refused_second_lock_in_one_process_keeps_the_first(tmp_path):
+    """A second output_lock of a held folder in the same process is refused, and the first lock still keeps
+    another process out afterwards (closing the refused attempt's descriptor dropped it)."""
+    from musiclm_stab.tokenizer.lock import output_lock
+
+    out = tmp_path / "out"
+    other = ("import sys\n"
+             "from musiclm_stab.tokenizer.lock import OutputBusy, output_lock\n"
+             "try:\n"
+             "    with output_lock(sys.argv[1]):\n"
+             "        print('acquired')\n"
+             "except OutputBusy as e:\n"
+             "    print('busy:', e)\n")
+
+    def other_process() -> str:
+        return subprocess.run([sys.executable, "-c", other, str(out)], capture_output=True, text=True,
+                              check=True).stdout
+
+    with output_lock(out):
+        for _ in range(2):
+            with pytest.raises(OutputBusy, match=f"being written by process {os.getpid()} "):
+                with output_lock(out):
+                    pass
+        assert other_process().startswith(f"busy: {out} is being written by process {os.getpid()} ")
+    assert other_process() == "acquired\n"  # released when the block ended
+
+
 def test_a_run_killed_before_it_wrote_its_job_is_started_afresh(corpus, reference, local_weights, tmp_path):
     """What a run killed between taking the lock and writing .tokenize/job.json leaves (the lock file,
     .tokenize/units/ and an empty parts/, as the old order of making them left) is not taken for a foreign

@@ -12,6 +12,11 @@ The fault is chosen by the environment variable ``TRAIN_FAULT``; it patches the 
 - ``enospc:<rank>:<step>:<seconds>`` makes every ``torch.save`` of the process of that rank (env ``RANK``, 0
   without a launcher) into the partial write of checkpoint ``<step>`` write 16 bytes, wait ``<seconds>`` (a
   slow disk: the other processes are done with their part meanwhile) and fail as a full disk does.
+- ``raise:<step>`` raises a RuntimeError (an error ``main`` does not handle: a bug) on every process right
+  after update ``<step>``, as a checkpoint of the step before may still be written in the background.
+
+Whatever the fault, each process reports on stderr, after ``main`` and before the interpreter's teardown,
+whether it left the process group and how many of gloo's threads still run (Linux: by thread name).
 """
 
 from __future__ import annotations
@@ -61,6 +66,29 @@ def disk_full(rank: int, step: int, delay: float) -> None:
     torch.save = full
 
 
+def crash(step: int) -> None:
+    original = train.Trainer.update
+
+    def update(self):
+        result = original(self)
+        if self.step == step:
+            raise RuntimeError(f"injected fault after update {step}")
+        return result
+
+    train.Trainer.update = update
+
+
+def gloo_threads() -> int:
+    """Threads of this process that belong to gloo (its transport loop, the process group's workers)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum("gloo" in name for name in names)
+
+
 def inject(spec: str) -> None:
     kind, *args = spec.split(":", 3)
     if kind == "pause":
@@ -69,15 +97,21 @@ def inject(spec: str) -> None:
     elif kind == "enospc":
         rank, step, delay = args
         disk_full(int(rank), int(step), float(delay))
+    elif kind == "raise":
+        crash(int(args[0]))
     else:
-        raise SystemExit(f"TRAIN_FAULT={spec!r}: unknown fault {kind!r} (pause, enospc)")
+        raise SystemExit(f"TRAIN_FAULT={spec!r}: unknown fault {kind!r} (pause, enospc, raise)")
 
 
 if __name__ == "__main__":
     if os.environ.get("TRAIN_FAULT"):
         inject(os.environ["TRAIN_FAULT"])
-    code = train.main()
-    # Checked by the tests: every exit tears torch.distributed down first (left to exit-time destructors,
-    # gloo's threads sometimes abort a process that has done everything: exit -6 under torchrun).
-    print(f"process group left before exit: {not torch.distributed.is_initialized()}", file=sys.stderr)
+    try:
+        code = train.main()
+    finally:
+        # Checked by the tests: every exit tears torch.distributed down first, gloo's threads included (left
+        # to exit-time destructors, they sometimes abort a process that has done everything: exit -6 under
+        # torchrun).
+        print(f"process group left before exit: {not torch.distributed.is_initialized()}", file=sys.stderr)
+        print(f"gloo threads left before exit: {gloo_threads()}", file=sys.stderr)
     sys.exit(code)

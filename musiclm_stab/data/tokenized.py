@@ -57,6 +57,14 @@ class DeviceMixWarning(UserWarning):
     """Data tokenized on different device types (CPU, GPU) is merged or used together."""
 
 
+class DuplicateRows(ValueError):
+    """Folders loaded together hold the same rows (one folder twice, a merged output and one of its shards)."""
+
+
+class IncompleteShards(ValueError):
+    """The shards of a ``--shard i/n`` tokenization are loaded without all n of them."""
+
+
 def unit_groups(units: Sequence[Sequence[Any]]) -> list[int]:
     """The group of each planned unit: the pieces of one track share a group, other units have their own.
 
@@ -146,7 +154,67 @@ def _data_files(path: Path, info: dict) -> list[tuple[int | None, Path]]:
     return [(None, path / f["filename"]) for f in state["_data_files"]]
 
 
-def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = False):
+def _shard_of(info: dict) -> tuple[int, int] | None:
+    """(i, n) of a ``--shard i/n`` output (tokenizer.json's ``shard``, "i/n"); None for a whole output."""
+    shard = info.get("shard")
+    if not shard:
+        return None
+    i, n = (int(x) for x in (shard.split("/") if isinstance(shard, str) else shard))
+    return (i, n) if n > 1 else None
+
+
+def check_no_duplicates(paths: Sequence[Path], infos: Sequence[dict], files: Sequence[tuple[int | None, Path]],
+                        owners: Sequence[Path]) -> None:
+    """Raise DuplicateRows when two of the folders hold the same rows: one folder given twice (by any
+    path), the same data file twice (a merge hard-links its shards' files), or the same work unit of one
+    tokenization (a merged output and one of its shards, or a copy of a shard)."""
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        real = p.resolve()
+        if real in seen:
+            also = "" if seen[real] == p else f" (as {seen[real]} and {p}, the same folder)"
+            raise DuplicateRows(f"{seen[real]} is given twice{also}; its rows would be loaded twice")
+        seen[real] = p
+    by_key: dict[tuple, tuple[Path, int | None]] = {}
+    job = {p: i.get("job_sha256") for p, i in zip(paths, infos)}
+    for (unit, f), owner in zip(files, owners):
+        st = f.stat()
+        keys = [("file", st.st_dev, st.st_ino)]
+        if unit is not None and job[owner]:
+            keys.append(("unit", job[owner], unit))
+        for key in keys:
+            first = by_key.setdefault(key, (owner, unit))
+            if first[0] != owner:
+                what = f"work unit {unit} of tokenization {job[owner][:12]}" if key[0] == "unit" else f"data file {f.name}"
+                raise DuplicateRows(f"{first[0]} and {owner} hold the same rows ({what}): a merged output and one "
+                                    "of its shards, or one output twice; load each shard once, or the merged "
+                                    "output alone")
+
+
+def check_complete_shards(paths: Sequence[Path], infos: Sequence[dict]) -> None:
+    """Raise IncompleteShards unless, for every ``--shard i/n`` tokenization among the folders, all n
+    shards are there (a merged output counts as all of them)."""
+    groups: dict[str | None, tuple[int, set[int], list[Path]]] = {}
+    for p, info in zip(paths, infos):
+        shard = _shard_of(info)
+        if shard is None:
+            continue
+        n, have, where = groups.setdefault(info.get("job_sha256"), (shard[1], set(), []))
+        have.add(shard[0])
+        where.append(p)
+    merged = {i.get("job_sha256") for i in infos if _shard_of(i) is None}
+    for job, (n, have, where) in groups.items():
+        missing = sorted(set(range(n)) - have)
+        if missing and job not in merged:
+            raise IncompleteShards(
+                f"{', '.join(map(str, where))}: shard(s) {', '.join(f'{i}/{n}' for i in sorted(have))} of a "
+                f"tokenization in {n} shards, without {', '.join(f'{i}/{n}' for i in missing)}: "
+                f"{len(missing)} of {n} parts of the data would be left out. Load all {n} shard folders "
+                "together (or their merge, `musiclm-stab tokenize --merge OUT SHARD...`), or pass "
+                "partial_shards=True to load_tokenized to use a part on purpose")
+
+
+def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = False, partial_shards: bool = False):
     """A tokenized dataset and its tokenizer info (the contents of tokenizer.json).
 
     ``path`` is one output folder, or several (e.g. the shards of a ``--shard i/n`` run, which come back
@@ -154,6 +222,11 @@ def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = Fa
     given, after checking they share a tokenizer). Returns an indexable, memory-mapped
     ``datasets.Dataset``, or with ``streaming=True`` a ``datasets.IterableDataset`` over the same rows.
     Folders tokenized on different device types (or a merge of such) load with a DeviceMixWarning.
+
+    Folders that would repeat rows (one given twice, a merged output with one of its shards) are refused
+    (DuplicateRows), as is a shard without the other shards of its tokenization (IncompleteShards):
+    silently training on part of the data, or on some of it twice, changes the experiment. A part on
+    purpose: ``partial_shards=True``.
     """
     paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
     if not paths:
@@ -164,14 +237,19 @@ def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = Fa
     devices = {str(p): device_of(p, i) for p, i in zip(paths, infos)}
     warn_mixed_devices(devices, "Loading")
     files: list[tuple[int | None, Path]] = []
+    owners: list[Path] = []
     for p, info in zip(paths, infos):
         files += _data_files(p, info)
+        owners += [p] * (len(files) - len(owners))
+    check_no_duplicates(paths, infos, files, owners)
     shards = [tuple(i.get("shard") or (0, 1)) for i in infos]
     if len(paths) > 1 and len({i.get("job_sha256") for i in infos}) == 1 and len(set(shards)) == len(shards) \
             and None not in {u for u, _ in files}:  # shards of one job: restore the single-run order
         files.sort(key=lambda f: f[0])
     if not files:
         raise ValueError(f"{', '.join(str(p) for p in paths)}: no rows (an empty shard); load it with the other shards")
+    if not partial_shards:
+        check_complete_shards(paths, infos)
     if streaming:
         ds = datasets.load_dataset("arrow", data_files=[str(f) for _, f in files], split="train", streaming=True)
         ds = ds.cast(FEATURES)

@@ -2,6 +2,11 @@
 
 ``run_unit`` runs in the main process or in spawned worker processes (``run_units``), each with its own
 model and one thread: on a 2-core machine two single-threaded encoders beat one two-threaded one.
+
+This module imports nothing heavy at its top: a spawned worker imports it to run its initializer, whose
+first act is to make sure the worker dies with its parent (``_die_with_parent``); torch and the model
+are imported after that, so a worker whose parent is already gone exits in about a second, not after
+the ~10-25 s of importing torch on a busy machine.
 """
 
 from __future__ import annotations
@@ -11,24 +16,27 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from musiclm_stab.tokenizer.encode import set_full_fp32
-from musiclm_stab.tokenizer.policy import UnitSettings
-from musiclm_stab.tokenizer.segments import Piece
-from musiclm_stab.tokenizer.sources import SourceSpec, TrackRef
-from musiclm_stab.tokenizer.units import run_unit
-from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
-
 if TYPE_CHECKING:
     from encodec import EncodecModel
+
+    from musiclm_stab.tokenizer.policy import UnitSettings
+    from musiclm_stab.tokenizer.segments import Piece
+    from musiclm_stab.tokenizer.sources import SourceSpec, TrackRef
 
 
 _WORKER: dict[str, Any] = {}
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when its parent dies (kill -9 of the tokenizer leaves no orphans)."""
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this worker when its parent dies, and exit at once if it has died already, so
+    that kill -9 of the tokenizer leaves no orphans, whenever it lands.
+
+    PR_SET_PDEATHSIG covers only a parent that dies after the request, and this runs only after spawn's
+    bootstrap (starting the interpreter, importing the main module and this one): a parent killed before
+    that has already handed the worker to init (or a subreaper), whose death never comes, and the worker
+    waited for work forever, its model loaded (~0.85 GB). Hence the check after the request: ``parent`` is
+    the pid the tokenizer passed in, because once reparented, os.getppid() is already the new parent's.
+    """
     try:
         import ctypes
         import signal
@@ -36,6 +44,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # died before the request: nobody will send the signal
+        os._exit(1)
 
 
 def keep_freed_memory() -> bool:
@@ -64,8 +74,13 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def _worker_init(weights: str | None, device: str, sha256: str) -> None:
-    _die_with_parent()
+def _worker_init(parent: int, weights: str | None, device: str, sha256: str) -> None:
+    _die_with_parent(parent)
+    import torch
+
+    from musiclm_stab.tokenizer.encode import set_full_fp32
+    from musiclm_stab.tokenizer.weights import load_encodec, prepare_for_inference
+
     keep_freed_memory()
     torch.set_num_threads(1)  # as in the main process: see musiclm_stab.threads.one_thread
     set_full_fp32()  # as in the main process: see full_fp32
@@ -77,6 +92,8 @@ def _worker_init(weights: str | None, device: str, sha256: str) -> None:
 
 def _worker_run(spec: SourceSpec, k: int, refs: list[TrackRef], settings: UnitSettings, out_dir: str,
                 piece: Piece | None) -> dict:
+    from musiclm_stab.tokenizer.units import run_unit
+
     return run_unit(spec, k, refs, _WORKER["model"], settings, out_dir, piece)
 
 
@@ -92,6 +109,8 @@ def run_units(work: Iterable[tuple], spec: SourceSpec, settings: UnitSettings, o
     """
     items = ((item[0], item[1], item[2] if len(item) > 2 else None) for item in work)
     if workers == 0:
+        from musiclm_stab.tokenizer.units import run_unit
+
         for k, refs, piece in items:
             on_done(run_unit(spec, k, refs, model, settings, out_dir, piece))
         return
@@ -99,7 +118,7 @@ def run_units(work: Iterable[tuple], spec: SourceSpec, settings: UnitSettings, o
 
     ctx = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(weights, device, sha256)) as pool:
+                             initargs=(os.getpid(), weights, device, sha256)) as pool:
         inflight: dict[Future, int] = {}
         error: BaseException | None = None
         try:

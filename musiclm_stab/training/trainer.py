@@ -405,16 +405,36 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def leave_process_group() -> None:
-    """Tear down torch.distributed before the interpreter exits: ``main`` calls it on every exit (a
-    finished run, an error every process raised such as a failed checkpoint write, any other exception).
-    Left to exit-time destructors, the process group's threads sometimes abort a rank that has done and
-    printed everything ("terminate called without an active exception", exit -6 under torchrun; seen on
-    clean-clone CI runs after a finished run and after a failed write, and here in 1 of 28 runs of the
-    failed-write test). A no-op in a single process; local (no collective): it never waits on another one."""
+    """Tear down torch.distributed, and whatever keeps gloo's threads running, before the interpreter
+    exits: ``main`` calls it on every exit (a finished run, an error every process raised such as a
+    failed checkpoint write, any other exception). Left to exit-time destructors, the process group's
+    threads sometimes abort a rank that has done and printed everything ("terminate called without an
+    active exception", exit -6 under torchrun; seen on clean-clone CI runs after a finished run and after
+    a failed write, and here in 1 of 28 runs of the failed-write test).
+
+    ``destroy_process_group`` alone does not stop those threads: the DDP model's reducer holds the group
+    until the model is freed, which its reference cycles leave to the garbage collector (at exit, for an
+    exception's traceback keeps the model's frames). So it also waits for a background checkpoint write
+    still running (a thread in torch.save at exit is killed mid-call), drops the locals of the finished
+    frames of an exception in flight (the traceback still prints) and collects, which frees the model and
+    joins gloo's threads here. (``main`` imports ``torch.distributed.nn`` before any group exists, see
+    there.) A no-op in a single process but for the collection; local (no collective): it never waits
+    on another process."""
+    import gc
+    import threading
+    import traceback
+
     import torch.distributed as dist
 
+    for thread in threading.enumerate():  # CheckpointWriter's thread (daemon: not waited for at exit)
+        if thread.name.startswith("checkpoint-") and thread is not threading.current_thread():
+            thread.join()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    error = sys.exc_info()[1]
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)  # the running frames (main's) keep theirs
+    gc.collect()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rest if not (r.startswith("--") and "=" in r)]
     if bad:
         parser.error(f"unrecognized arguments {bad}; overrides look like --section.key=value")
+    # Before any process group exists: torch.distributed.nn.functional's collectives take
+    # group=group.WORLD as a default argument, evaluated when the module is imported. DDP imports it (via
+    # torch._dynamo) after accelerate has made the group, and those defaults then held the group, and its
+    # gloo threads, until the interpreter's teardown, past destroy_process_group (leave_process_group).
+    import torch.distributed.nn.functional  # noqa: F401
+
     from musiclm_stab.data.tokenized import TokenizerMismatch
 
     try:
