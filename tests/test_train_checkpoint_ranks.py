@@ -24,7 +24,8 @@ def test_write_failure_on_rank_1_stops_both_ranks(tokenized_dataset, tmp_path):
     tests/train_faults.py), when rank 0 has written its part. Both ranks exit 1 with the same
     CheckpointWriteError naming rank 1's reason instead of rank 0 waiting at a barrier until the launcher
     kills it; the partial write is gone and checkpoint 1 is intact."""
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29531",
+    # --standalone: a port the OS chooses (a fixed --master_port fails the launch whenever another process holds it)
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
            "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
            str(FAULTS), "--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={tokenized_dataset}",
            f"--train.output_dir={tmp_path}", "--train.name=f", "--data.batch_size=1", "--data.crop_seconds=2.0",
