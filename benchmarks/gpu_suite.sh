@@ -108,7 +108,7 @@ printf '# gpu_suite.sh tables (%s)\n\n```\n%s\n```\n' "$(date -u +%FT%TZ)" "$(ca
 
 if [ $SMOKE = 1 ]; then  # every section once, as small as it goes: that the suite runs, not what it measures
   DEV=(--device cpu)
-  section bench_gpu 300 bench_gpu.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --dtypes bf16 --batch 1 \
+  section bench_gpu 300 bench_gpu.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --dtypes fp32 --batch 1 \
     --seconds 0.5 --steps 1 --warmup 1 --frontend gemm --profile "$OUT/profile.txt" --json "$OUT/raw/bench_gpu.json"
   section peer 300 peer.md $PY benchmarks/bench_gpu_peer.py "${DEV[@]}" --size tiny --dtypes fp32 --schemes pre \
     --batch 1 --seconds 0.5 --steps 1 --warmup 1 --json "$OUT/raw/peer.json"

@@ -50,7 +50,7 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, local_weig
     assert proc.returncode == 0, log[-3000:]
     tables = (out / "tables.md").read_text()
     assert "FAILED" not in tables and "SKIPPED" not in tables, log[-3000:]
-    for section, row in [("bench_gpu", "| tiny | bf16 | gemm | 1 |"), ("peer", "| pre | fp32 |"),
+    for section, row in [("bench_gpu", "| tiny | fp32 | gemm | 1 |"), ("peer", "| pre | fp32 |"),
                          ("frontend", "| fp32 |"), ("checkpoint", "| tiny |"), ("loop", "| tiny | fp32 | 1 x 0.5 s | 0 |"),
                          ("fp16_modes", "| fairseq |"), ("fp16_overflow", "| study_prenorm_attnrelax_clip1 | "),
                          ("tokenize", "cpu1 vs cpu0: equal codes per codebook 1.0000 1.0000 1.0000 1.0000 1.0000 1.0000 "

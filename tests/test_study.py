@@ -174,11 +174,12 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
     assert all(f"| ({c})" in claims for c in "abcd")
     with tarfile.open(out / "study_gpu.tar.gz") as tar:
         names = tar.getnames()
-    assert "figures/claims.md" in names and f"{STUDY_RECIPES[2]}_gpu_s0/metrics.jsonl" in names
+    assert "figures/claims.md" in names and f"{STUDY_RECIPES[2]}_gpu_lr1e-3_s0/metrics.jsonl" in names
     assert "study exited with 0" in (out / "study_gpu.log").read_text()
     # Same directories, another config: refused before anything is launched.
     with pytest.raises(ConfigError, match="another config"):
-        run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny))
+        run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny, lrs=(1e-3,),
+                             control=False))
 
 
 def test_cpu_print_only_names_the_48_chorale_corpus(tmp_path, capsys):
