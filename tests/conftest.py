@@ -97,3 +97,17 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def accelerator():
+    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 8)
+    acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    yield acc
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training import trainer as train
@@ -184,19 +183,6 @@ def test_resume_with_a_changed_data_position_is_refused(tokenized_dataset, tmp_p
     assert "cannot resume" in out and "settings that define its data position changed" in out
     assert "data.batch_size: 2 in the checkpoint, 1 now" in out and "train.grad_accum: 1 in the checkpoint, 2 now" in out
     assert [r["step"] for r in rows(tmp_path / "c")] == [1, 2]
-
-
-@pytest.fixture
-def accelerator():
-    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    acc = Accelerator(cpu=True)
-    model = torch.nn.Linear(8, 8)
-    acc.prepare(model, torch.optim.AdamW(model.parameters()))
-    yield acc
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_disk_full_keeps_previous_checkpoint(accelerator, tmp_path, monkeypatch, capsys):

@@ -6,23 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
-
-
-@pytest.fixture
-def accelerator():
-    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    acc = Accelerator(cpu=True)
-    model = torch.nn.Linear(8, 8)
-    acc.prepare(model, torch.optim.AdamW(model.parameters()))
-    yield acc
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def steps(run_dir: Path) -> list[int]:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-import torch
 
 from musiclm_stab.tokenizer.merge import merge_shards
 from musiclm_stab.tokenizer.pipeline import tokenize
@@ -19,19 +18,6 @@ from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads descriptors' paths from /proc")
 SR = 24_000
-
-
-@pytest.fixture
-def accelerator():
-    """An in-process accelerate state with a small model and optimizer, reset afterwards."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    acc = Accelerator(cpu=True)
-    model = torch.nn.Linear(8, 8)
-    acc.prepare(model, torch.optim.AdamW(model.parameters()))
-    yield acc
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def record_fsyncs(monkeypatch) -> list[tuple[str, bool]]:

@@ -129,16 +129,21 @@ def test_min_loss_scale_ends_the_run_with_a_clear_error(tokenized_dataset, tmp_p
     assert last["overflow_step"] == 3  # 4 -> 2 -> 1, then the halving to 0.5 ends it
 
 
+def straight_and_stopped(data, tmp_path, common: list[str]):
+    """An uninterrupted run and one stopped at step 3 (train.stop_at), both with an overflow at step 2."""
+    straight = OverflowTrainer(fp16_cfg(data, tmp_path, *common, name="straight"), at=[(2, 0)])
+    straight.run()
+    first = OverflowTrainer(fp16_cfg(data, tmp_path, *common, "--train.stop_at=3", name="split"), at=[(2, 0)])
+    first.run()
+    return straight, first
+
+
 def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
     """Stopped at step 3 and resumed, a fairseq-fp16 run (with an overflow and window doublings) restores its
     loss scaler's counters from registered.json, logs the same rows, loss scale included, and ends with the
     same weights as an uninterrupted run."""
     common = ["--train.max_steps=6", "--train.fp16_scale_window=2", "--train.checkpoint_every=3"]
-    straight = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="straight"), at=[(2, 0)])
-    straight.run()
-    first = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, "--train.stop_at=3", name="split"),
-                            at=[(2, 0)])
-    first.run()
+    straight, first = straight_and_stopped(tokenized_dataset, tmp_path, common)
     resumed = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="split"), resume=True)
     assert resumed.step == 3
     saved = json.loads((resumed.run_dir / "checkpoints" / "step_00000003" / "registered.json").read_text())
@@ -165,11 +170,7 @@ def test_amp_fp16_resume_is_bit_exact_with_the_grad_scaler_in_registered_json(to
     included) and ends with the same weights as an uninterrupted run; the GradScaler's state rides in the
     checkpoint's registered.json (JSON, its scale the one logged at step 3), not in a pickle."""
     common = ["--train.max_steps=6", "--train.fp16_mode=amp", "--train.checkpoint_every=3"]
-    straight = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="straight"), at=[(2, 0)])
-    straight.run()
-    first = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, "--train.stop_at=3", name="split"),
-                            at=[(2, 0)])
-    first.run()
+    straight, first = straight_and_stopped(tokenized_dataset, tmp_path, common)
     ckpt = first.run_dir / "checkpoints" / "step_00000003"
     saved = json.loads((ckpt / "registered.json").read_text())["precision"]["grad_scaler"]
     a = rows(straight.run_dir)
