@@ -138,6 +138,18 @@ def straight_and_stopped(data, tmp_path, common: list[str]):
     return straight, first
 
 
+def assert_same_rows_and_weights(straight, resumed) -> None:
+    """Every logged row equal (but the wall-clock throughput) and every weight equal to the bit."""
+    a, b = rows(straight.run_dir), rows(resumed.run_dir)
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        ra, rb = dict(ra), dict(rb)
+        ra.pop("audio_s_per_s"), rb.pop("audio_s_per_s")
+        assert ra == rb
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
     """Stopped at step 3 and resumed, a fairseq-fp16 run (with an overflow and window doublings) restores its
     loss scaler's counters from registered.json, logs the same rows, loss scale included, and ends with the
@@ -152,16 +164,11 @@ def test_fp16_resume_is_bit_exact(tokenized_dataset, tmp_path):
     assert saved["precision"]["loss_scaler"]["last_overflow"] == 1
     assert resumed.precision.scaler.state_dict() == saved["precision"]["loss_scaler"]
     resumed.run()
-    a, b = rows(straight.run_dir), rows(resumed.run_dir)
+    a = rows(straight.run_dir)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
     assert [r["overflow_step"] for r in a] == [0, 1, 0, 0, 0, 0]
     assert all("loss_scale" in r for r in a)
-    for ra, rb in zip(a, b):
-        ra, rb = dict(ra), dict(rb)
-        ra.pop("audio_s_per_s"), rb.pop("audio_s_per_s")
-        assert ra == rb
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(p, q), name
+    assert_same_rows_and_weights(straight, resumed)
     assert all(torch.equal(x, y) for x, y in zip(straight.precision.master, resumed.precision.master))
 
 
@@ -179,14 +186,8 @@ def test_amp_fp16_resume_is_bit_exact_with_the_grad_scaler_in_registered_json(to
     resumed = OverflowTrainer(fp16_cfg(tokenized_dataset, tmp_path, *common, name="split"), resume=True)
     assert resumed.step == 3 and resumed.precision.loss_scale == saved["scale"]
     resumed.run()
-    b = rows(resumed.run_dir)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] and a[1]["overflow_step"] == 1
-    for ra, rb in zip(a, b):
-        ra, rb = dict(ra), dict(rb)
-        ra.pop("audio_s_per_s"), rb.pop("audio_s_per_s")
-        assert ra == rb
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(p, q), name
+    assert_same_rows_and_weights(straight, resumed)
 
 
 def test_amp_mode_on_cpu_uses_grad_scaler_and_counts_overflows_as_steps(tokenized_dataset, tmp_path):
