@@ -68,9 +68,14 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
 
 def run_here(data: Path, out: Path, name: str, capsys, *extra: str, rc: int = 0) -> str:
     """One process, in this one: pretrain.py's main with ``launch``'s arguments (a subprocess would spend
-    most of its time importing torch again). Needs the fresh_accelerate_state fixture."""
+    most of its time importing torch again). Leaves accelerate's process-wide state to the
+    fresh_accelerate_state fixture."""
+    from accelerate.state import AcceleratorState, GradientState
+
     from musiclm_stab.training.trainer import main
 
+    AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
+    GradientState._reset_state()
     capsys.readouterr()
     with contextlib.chdir(out):  # as launch runs it
         assert main(pretrain_args(data, out, name, 1, *extra)) == rc
