@@ -90,11 +90,17 @@ def assert_same_metrics(final: dict[int, dict], reference: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tokenized_dataset, tmp_path_factory):
-    """An uninterrupted 6-step run."""
+def reference_run(tokenized_dataset, tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run (checkpoints at steps 2, 4 and 6): its directory. Tests only read it."""
     out = tmp_path_factory.mktemp("ref")
     finish(start(tokenized_dataset, out, "ref", "--train.max_steps=6"))
-    return rows(out / "ref")
+    return out / "ref"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The metrics rows of the uninterrupted 6-step run."""
+    return rows(reference_run)
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, reference):
@@ -171,18 +177,24 @@ def test_damaged_checkpoint_is_skipped(tokenized_dataset, tmp_path):
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
 
 
-def test_resume_with_a_changed_data_position_is_refused(tokenized_dataset, tmp_path):
+def test_resume_with_a_changed_data_position_is_refused(tokenized_dataset, reference_run, reference,
+                                                        fresh_accelerate_state, monkeypatch, capsys):
     """The checkpoint's data position (micro-batches consumed) only means the same batches with the same
     batch size, crops, split, order and accumulation: resuming with one of them changed is refused,
     naming each change, before any work."""
-    finish(start(tokenized_dataset, tmp_path, "c", "--train.max_steps=2"))
-    proc = start(tokenized_dataset, tmp_path, "c", "--resume", "--train.max_steps=4", "--data.batch_size=1",
-                 "--train.grad_accum=2")
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 2, out[-3000:]
+    # pretrain.py's main in this process (a refusal needs no process of its own), on the reference run
+    monkeypatch.chdir(reference_run.parent)
+    code = train.main(["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={tokenized_dataset}",
+                       f"--train.output_dir={reference_run.parent}", f"--train.name={reference_run.name}",
+                       "--data.crop_seconds=2.0", "--data.eval_fraction=0.3", "--optim.warmup_steps=2",
+                       "--train.checkpoint_every=2", "--train.keep_checkpoints=10", "--resume",
+                       "--train.max_steps=8", "--data.batch_size=1", "--train.grad_accum=2"])
+    out = capsys.readouterr().err
+    assert code == 2, out[-3000:]
     assert "cannot resume" in out and "settings that define its data position changed" in out
     assert "data.batch_size: 2 in the checkpoint, 1 now" in out and "train.grad_accum: 1 in the checkpoint, 2 now" in out
-    assert [r["step"] for r in rows(tmp_path / "c")] == [1, 2]
+    assert rows(reference_run) == reference  # nothing trained, nothing logged
+    assert [c.name for c in checkpoint.list_checkpoints(reference_run)][-1] == "step_00000006"
 
 
 def test_disk_full_keeps_previous_checkpoint(accelerator, tmp_path, monkeypatch, capsys):

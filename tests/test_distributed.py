@@ -38,16 +38,21 @@ def ports_taken(ports: tuple[int, ...]):
         yield
 
 
+def pretrain_args(data: Path, out: Path, name: str, procs: int, *extra: str) -> list[str]:
+    """recipes/pretrain.py's arguments: the tiny recipe on ``procs`` processes, global batch 4, no dropout."""
+    return ["--config", str(REPO / "recipes" / "tiny.yaml"),
+            f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}",
+            f"--data.batch_size={4 // procs}", "--data.crop_seconds=2.0", "--data.eval_fraction=0.3",
+            "--data.mixup_prob=0",  # mixup mixes clips of the local batch: it depends on the split
+            # The trim to one masked count per batch (fairseq's require_same_masks) is per local batch too,
+            # as in fairseq, where each GPU masks its own batch: 2 x 2 trims differently from 1 x 4.
+            "--model.require_same_masks=false",
+            "--model.dropout=0", "--model.attention_dropout=0", "--model.feature_dropout=0",
+            "--optim.warmup_steps=1", "--train.max_steps=4", "--train.checkpoint_every=2", *extra]
+
+
 def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0, use_cpu: bool = True) -> str:
-    script = [str(REPO / "recipes" / "pretrain.py"), "--config", str(REPO / "recipes" / "tiny.yaml"),
-              f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}",
-              f"--data.batch_size={4 // procs}", "--data.crop_seconds=2.0", "--data.eval_fraction=0.3",
-              "--data.mixup_prob=0",  # mixup mixes clips of the local batch: it depends on the split
-              # The trim to one masked count per batch (fairseq's require_same_masks) is per local batch too,
-              # as in fairseq, where each GPU masks its own batch: 2 x 2 trims differently from 1 x 4.
-              "--model.require_same_masks=false",
-              "--model.dropout=0", "--model.attention_dropout=0", "--model.feature_dropout=0",
-              "--optim.warmup_steps=1", "--train.max_steps=4", "--train.checkpoint_every=2", *extra]
+    script = [str(REPO / "recipes" / "pretrain.py"), *pretrain_args(data, out, name, procs, *extra)]
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     if procs == 1:
         cmd = [sys.executable, *script]
@@ -61,6 +66,24 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
     return proc.stdout + proc.stderr
 
 
+def run_here(data: Path, out: Path, name: str, capsys, *extra: str, rc: int = 0) -> str:
+    """One process, in this one: pretrain.py's main with ``launch``'s arguments (a subprocess would spend
+    most of its time importing torch again). Leaves accelerate's process-wide state to the
+    fresh_accelerate_state fixture."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from musiclm_stab.training.trainer import main
+
+    AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
+    GradientState._reset_state()
+    capsys.readouterr()
+    with contextlib.chdir(out):  # as launch runs it
+        assert main(pretrain_args(data, out, name, 1, *extra)) == rc
+    said = capsys.readouterr()
+    assert rc or "1 process(es)" in said.out, said.out[-2000:]
+    return said.out + said.err
+
+
 def last_rows(run_dir: Path) -> dict[int, dict]:
     rows = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -69,11 +92,11 @@ def last_rows(run_dir: Path) -> dict[int, dict]:
     return rows
 
 
-def test_two_processes_match_one_and_resume(tokenized_dataset, tmp_path):
+def test_two_processes_match_one_and_resume(tokenized_dataset, tmp_path, capsys, fresh_accelerate_state):
     """2 gloo processes x batch 2 give the per-step loss and grad norm of 1 process x batch 4
     (relative 1e-5), and a 2-process run stopped at step 2 resumes from its checkpoint to the same numbers;
     resuming the 2-process checkpoint with 1 process is refused with a message naming both counts."""
-    launch(tokenized_dataset, tmp_path, "one", 1)
+    run_here(tokenized_dataset, tmp_path, "one", capsys)
     launch(tokenized_dataset, tmp_path, "two", 2, "--train.stop_at=2")
     out = launch(tokenized_dataset, tmp_path, "two", 2, "--resume")
     assert "resumed from" in out
@@ -82,7 +105,7 @@ def test_two_processes_match_one_and_resume(tokenized_dataset, tmp_path):
     for step in one:
         for m in ("loss", "grad_norm", "lr", "musical_mlm_loss", "acoustic_mlm_loss/cb0", "acoustic_acc/cb0"):
             assert two[step][m] == pytest.approx(one[step][m], rel=1e-5, abs=1e-6), (step, m)
-    out = launch(tokenized_dataset, tmp_path, "two", 1, "--resume", "--train.max_steps=6", rc=2)
+    out = run_here(tokenized_dataset, tmp_path, "two", capsys, "--resume", "--train.max_steps=6", rc=2)
     assert "was written by 2 process(es); resume it with 2" in out and "not 1" in out, out[-2000:]
 
 

@@ -56,7 +56,15 @@ def tokens(tmp_path_factory, local_weights) -> Path:
     return tmp / "tokens"
 
 
-def test_pretrain_evaluate_resume(tokens, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tokens, tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run of ``tokens`` through accelerate launch: its directory. Tests only read it."""
+    tmp = tmp_path_factory.mktemp("e2e_runs")
+    launch(tmp, tokens, "b", "--train.max_steps=6")
+    return tmp / "runs" / "b"
+
+
+def test_pretrain_evaluate_resume(tokens, uninterrupted, tmp_path):
     """accelerate launch trains and logs every metric, evaluate is deterministic, --resume continues exactly."""
     proc = launch(tmp_path, tokens, "a", "--train.max_steps=6", "--train.stop_at=4")
     run_dir = tmp_path / "runs" / "a"
@@ -87,25 +95,26 @@ def test_pretrain_evaluate_resume(tokens, tmp_path):
     # Resume from step 4 to 6, and compare with an uninterrupted run of 6 steps.
     resumed = launch(tmp_path, tokens, "a", "--train.max_steps=6", "--resume")
     assert "resumed from" in resumed.stdout + resumed.stderr
-    launch(tmp_path, tokens, "b", "--train.max_steps=6")
-    a, b = read_metrics(run_dir), read_metrics(tmp_path / "runs" / "b")
+    a, b = read_metrics(run_dir), read_metrics(uninterrupted)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a[4:], b[4:]):
         for m in ("loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss/cb0"):
             assert ra[m] == pytest.approx(rb[m], rel=1e-6, abs=1e-7), (ra["step"], m)
 
 
-def test_refuses_mixed_tokenizers_and_existing_run(tokens, tmp_path):
+def test_refuses_mixed_tokenizers_and_existing_run(tokens, uninterrupted, tmp_path):
     """Evaluation refuses data tokenized with other weights; training refuses to overwrite a run."""
-    launch(tmp_path, tokens, "c", "--train.max_steps=1")
+    before = read_metrics(uninterrupted)
     other = tmp_path / "other_tokens"
     shutil.copytree(tokens, other)
     meta = json.loads((other / "tokenizer.json").read_text())
     meta["weights_sha256"] = "0" * 64
     (other / "tokenizer.json").write_text(json.dumps(meta))
-    proc = run(CLI + ["evaluate", str(tmp_path / "runs" / "c"), "--data", str(other)], tmp_path, check=False)
+    proc = run(CLI + ["evaluate", str(uninterrupted), "--data", str(other)], tmp_path, check=False)
     assert proc.returncode != 0 and "0000000000" in proc.stderr
-    again = launch(tmp_path, tokens, "c", "--train.max_steps=1", check=False)
+    runs = uninterrupted.parent.parent  # the run, already trained (in a folder of the fixture's)
+    again = launch(runs, tokens, uninterrupted.name, "--train.max_steps=6", check=False)
     assert again.returncode != 0 and "already exists" in again.stderr
-    resumed_other = launch(tmp_path, other, "c", "--train.max_steps=2", "--resume", check=False)
+    resumed_other = launch(runs, other, uninterrupted.name, "--train.max_steps=8", "--resume", check=False)
     assert resumed_other.returncode != 0 and "0000000000" in resumed_other.stderr
+    assert read_metrics(uninterrupted) == before  # each refusal left the run as it was
