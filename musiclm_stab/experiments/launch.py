@@ -75,22 +75,32 @@ def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | 
     return out
 
 
-def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS) -> Path:
-    """The default corpus (``num_tracks`` Bach chorales), its EnCodec weights and its tokens under ``work``,
-    each made only when missing; returns the tokenized folder (``default_corpus_tokens`` for the default 24
-    tracks, ``chorales{num_tracks}_tokens`` otherwise; the weights are fitted on the 24-track corpus's
-    first 600 s either way, so every corpus size shares them)."""
+def data_name(num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default") -> str:
+    """The corpus folder's name under ``work``: ``default_corpus`` (the default 24 chorales),
+    ``chorales{n}`` (another number of chorales) or ``{preset}{n}`` (the first n tracks of a preset);
+    its tokens are in ``{name}_tokens``."""
+    if preset != "default":
+        return f"{preset}{num_tracks}"
+    return "default_corpus" if num_tracks == DEFAULT_NUM_TRACKS else f"chorales{num_tracks}"
+
+
+def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default") -> Path:
+    """A corpus (``num_tracks`` Bach chorales, or the first ``num_tracks`` of ``preset``), its EnCodec
+    weights and its tokens under ``work``, each made only when missing; returns the tokenized folder
+    (``{data_name(...)}_tokens``). The weights are fitted on the 24-track default corpus's first 600 s
+    whatever the corpus, so every corpus shares them."""
     from musiclm_stab.corpus.build import build_corpus
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    name = "default_corpus" if num_tracks == DEFAULT_NUM_TRACKS else f"chorales{num_tracks}"
-    banner(f"data 1/3: corpus ({num_tracks} Bach chorales rendered with a General MIDI soundfont)")
+    name = data_name(num_tracks, preset)
+    what = f"{num_tracks} Bach chorales" if preset == "default" else f"the first {num_tracks} tracks of the {preset} preset"
+    banner(f"data 1/3: corpus ({what} rendered with a General MIDI soundfont)")
     corpus_dir = work / name
-    build_corpus(corpus_dir, num_tracks=num_tracks, seed=0)
+    build_corpus(corpus_dir, num_tracks=num_tracks, seed=0, preset=preset)
     banner("data 2/3: EnCodec weights")
     weights_corpus = work / "default_corpus"
-    if num_tracks != DEFAULT_NUM_TRACKS:  # the same weights as the default corpus's: its first 24 tracks
+    if name != "default_corpus":  # the same weights as the default corpus's: its first 24 tracks
         build_corpus(weights_corpus, num_tracks=DEFAULT_NUM_TRACKS, seed=0)
     weights, note = ensure_weights(weights_corpus, work)
     banner("data 3/3: tokenize")

@@ -47,9 +47,9 @@ from pathlib import Path
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.experiments.launch import (
-    DEFAULT_NUM_TRACKS,
     accelerate_executable,
     add_job_options,
+    data_name,
     default_data,
     run_state,
 )
@@ -57,8 +57,8 @@ from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     ORDERS,
     SCALES,
+    STUDY_DATA,
     STUDY_RECIPES,
-    STUDY_TRACKS,
     Study,
     claims_command,
     figure_runs,
@@ -327,10 +327,9 @@ def cli_main(argv: list[str] | None = None) -> int:
 
     data = args.data
     if data is None and args.scale != "full":
-        tracks = STUDY_TRACKS[args.scale]
-        data = str(default_data(args.work, tracks) if not args.print_only else
-                   Path(args.work) / ("default_corpus_tokens" if tracks == DEFAULT_NUM_TRACKS else
-                                      f"chorales{tracks}_tokens"))
+        preset, tracks = STUDY_DATA[args.scale]
+        data = str(default_data(args.work, tracks, preset) if not args.print_only else
+                   Path(args.work) / f"{data_name(tracks, preset)}_tokens")
     try:
         study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order,
                            lrs=None if args.lrs is None else tuple(args.lrs), first_seed=args.first_seed,
