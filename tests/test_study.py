@@ -149,7 +149,7 @@ def test_gpu_plan_is_base_fp16_past_warmup(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
+def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, monkeypatch, capsys):
     """benchmarks/study_gpu.sh, the GPU study's one script, runs the whole path at tiny size on CPU: 4 real
     runs through accelerate (2 at a time), the figures with bands and extras, the claims table, one archive."""
     out = tmp_path / "out"
@@ -177,6 +177,16 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path):
         names = tar.getnames()
     assert "figures/claims.md" in names and f"{STUDY_RECIPES[2]}_gpu_lr1e-3_s0/metrics.jsonl" in names
     assert "study exited with 0" in (out / "study_gpu.log").read_text()
+    # The same study again (an interrupted study is rerun this way): its finished runs are read, not launched.
+    def no_launch(*args, **kwargs):
+        raise AssertionError(f"a finished run was launched again: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    again = plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=2, extra=tiny, lrs=(1e-3,),
+                       control=False)
+    run_study(again, jobs=2, formats=("png",))
+    assert capsys.readouterr().out.count("not launched again") == 4
+    assert json.loads((root / "figures" / "summary.json").read_text()) == summary
     # Same directories, another config: refused before anything is launched.
     with pytest.raises(ConfigError, match="another config"):
         run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny, lrs=(1e-3,),

@@ -23,9 +23,9 @@ Seeds and data order (``--seeds N`` runs seeds 0..N-1 as ``train.seed``; ``--ord
 ``--jobs N`` trains N runs at a time (cpu scale default 2, one torch thread each: on 2 cores this beats
 one run with two threads); each run's output then goes to ``<runs>/<name>/logs/<run>.log``.
 
-An existing run directory with the same resolved config is resumed (``--resume``; a finished run
-returns at once), so an interrupted study continues where it stopped; one with another config is an
-error, never overwritten.
+An existing run directory with the same resolved config is resumed (``--resume``) or, when it already
+reached its last step (or diverged), only read, so an interrupted study continues where it stopped; one
+with another config is an error, never overwritten.
 
 The plan (configurations, overlays, seeds, data orders, launch lines) is experiments/study_plan.py; this
 module runs it, probes it and writes the figures, the claims table and the timing.
@@ -204,7 +204,12 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         run, cfg = study.runs[i], configs[i]
         print(f"\n=== study run {i + 1}/{n}: {run_label(cfg.to_dict())} (seed {run.seed}) -> {cfg.run_dir}",
               flush=True)
-        resume = run_state(cfg) != "new"
+        state = run_state(cfg)
+        if state == "done":  # trained to its last step, or diverged: read, not launched again
+            print("(this run directory holds the finished run: not launched again)", flush=True)
+            rows[i] = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
+            return
+        resume = state != "new"
         if resume:
             print("(this run directory exists with the same config: resuming it)")
         cmd = run.command(accelerate, single_process=study.scale != "full", resume=resume)
@@ -232,7 +237,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
         walls[cfg.run_dir.name] = took = time.time() - started
         done = len(rows)
-        left = (time.time() - t0) / done * (n - done) if done else 0.0
+        left = (time.time() - t0) / len(walls) * (n - done)  # at the pace of the runs trained here
         print(
             f"--- run {i + 1}/{n} ({cfg.run_dir.name}) done in {took:.0f} s: loss {r['first_loss']:.3f} -> "
             f"{r['final_loss']:.3f}, grad norm {r['grad_norm_min']:.2f}..{r['grad_norm_max']:.2f}; "
