@@ -105,7 +105,7 @@ def test_cpu_plan_seeds_order_and_settings(tmp_path):
         assert (m.size, m.num_layers, m.width, m.qk_norm) == ("tiny", 8, 128, stem == CONTROL)
         assert (cfg.train.mixed_precision, cfg.train.fp16_mode, cfg.train.fp16_impl) == ("fp16", "fairseq", "auto")
         assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.max_steps, cfg.data.crop_seconds) == (
-            lr, 160, 1600, 2.0)
+            lr, 160, 2400, 2.0)
         assert (cfg.train.eval_every, cfg.train.diagnostics_every, cfg.data.eval_fraction) == (200, 100, 0.15)
         assert (cfg.train.fp16_scale_window, cfg.train.checkpoint_every) == (32, 400)  # MERT-330M's window
         assert cfg.run_dir == tmp_path / "study_cpu" / f"{stem}_tiny_{lr_tag(lr)}_s{seed}"
@@ -194,9 +194,9 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
 
 
 def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):
-    """Without --data, the CPU study trains on the first 128 tracks of the `hours` preset it makes under
-    --work (19 held-out tracks of five styles), the GPU study on the default corpus."""
-    for scale, folder in (("cpu", "hours128_tokens"), ("gpu", "default_corpus_tokens")):
+    """Without --data, the CPU study trains on the 256 tracks of the `hours` preset it makes under
+    --work (38 held-out tracks of five styles), the GPU study on the default corpus."""
+    for scale, folder in (("cpu", "hours256_tokens"), ("gpu", "default_corpus_tokens")):
         assert cli_main(["--scale", scale, "--print-only", "--runs", str(tmp_path), "--work", str(tmp_path / "w"),
                          "--lrs", "1e-3", "--no-control", "--seeds", "1"]) == 0
         launches = [a for a in map(shlex.split, capsys.readouterr().out.splitlines()) if "launch" in a[:3]]
