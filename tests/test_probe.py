@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -160,6 +161,19 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     row = next(line for line in md.read_text().splitlines() if line.startswith("| probe: best-layer pitch mAP"))
     cells = [c.strip() for c in row.strip("|").split("|")[1:]]
     assert len(cells) == 4 and all(0.0 < float(c) <= 1.0 for c in cells), row  # one seed: a single value
+
+    # carried elsewhere without checkpoints: the probes are read, not run again (there is nothing to probe)
+    before = {d: (d / "probe" / "probe.json").read_bytes() for d in probed}
+    for d in dirs:
+        shutil.rmtree(d / "checkpoints")
+    figure.unlink()
+    assert probe_study(study, rows, progress=False, jobs=2) == figure and figure.is_file()
+    assert {d: (d / "probe" / "probe.json").read_bytes() for d in probed} == before
+    # a probe of another step is not the run's: probed again, which needs the checkpoint it no longer has
+    result = json.loads(before[probed[0]])
+    (probed[0] / "probe" / "probe.json").write_text(json.dumps({**result, "step": result["step"] - 1}))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        probe_study(study, rows, progress=False, jobs=1)
 
 
 def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):

@@ -142,7 +142,8 @@ def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int
     One task, one baseline and one L2 penalty (0.01; ``musiclm-stab probe`` chooses among four by inner
     cross-validation, four times the fits) bound its cost (timed in ``timing.json``). Each probed run gets
     RUN/probe/probe.json, which the claims table reads ("learns", the probe column). ``jobs`` runs are
-    probed at a time.
+    probed at a time. A run that already holds this probe of its last step (``probed_already``) is read, not
+    probed again: a study carried from another machine keeps its probes without its checkpoints.
     """
     from musiclm_stab.analysis.probe import probe_runs
     from musiclm_stab.analysis.probe_figure import save_probe_figure
@@ -150,8 +151,28 @@ def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int
     dirs = probe_targets(study, rows)
     print(f"\n=== linear probes (pitch, against random init) of the first seed of each configuration at the "
           f"figure lr and of the best one: {len(dirs)} runs", flush=True)
-    results = probe_runs(dirs, jobs=jobs, progress=progress, **PROBE)
-    return save_probe_figure(results, study.figures_dir / "probe.png")
+    done = {d: probed_already(d) for d in dirs}
+    for d, result in done.items():
+        if result is not None:
+            print(f"probed already at step {result['step']}: {d / 'probe' / 'probe.json'} (not probed again)")
+    todo = [d for d in dirs if done[d] is None]
+    fresh = dict(zip(todo, probe_runs(todo, jobs=jobs, progress=progress, **PROBE))) if todo else {}
+    return save_probe_figure([done[d] or fresh[d] for d in dirs], study.figures_dir / "probe.png")
+
+
+def probed_already(run_dir: Path) -> dict | None:
+    """RUN/probe/probe.json when it holds the study's probe (``PROBE``'s task, baseline and L2 grid) of the
+    run's last logged step, else None."""
+    from musiclm_stab.analysis.probe import RESULTS_FILE
+    from musiclm_stab.analysis.runs import read_run
+
+    path = run_dir / "probe" / RESULTS_FILE
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    same = (result.get("tasks") == list(PROBE["tasks"]) and result.get("l2_grid") == list(PROBE["l2_grid"])
+            and list(result.get("results", {})) == ["model", *PROBE["baselines"]])
+    return result if same and result.get("step") == read_run(run_dir).last_step else None
 
 
 def _children_cpu_s() -> float:
