@@ -15,6 +15,7 @@ import pytest
 
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
+from musiclm_stab.data.tokenized import codes_sha256
 from musiclm_stab.experiments.study import cli_main, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
@@ -187,6 +188,13 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     run_study(again, jobs=2, formats=("png",))
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
+    # The codes the runs trained on are recorded beside them; a piece of the study on other codes is refused.
+    record = json.loads((root / "data.json").read_text())
+    assert record["codes_sha256"] == codes_sha256(tokenized_dataset)
+    (root / "data.json").write_text(json.dumps({**record, "codes_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="codes sha256"):
+        run_study(again, jobs=2, formats=("png",))
+    (root / "data.json").write_text(json.dumps(record))
     # Same directories, another config: refused before anything is launched.
     with pytest.raises(ConfigError, match="another config"):
         run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny, lrs=(1e-3,),

@@ -272,6 +272,23 @@ def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = Fa
     return ds, info
 
 
+def codes_sha256(path: str | Path | Sequence[str | Path]) -> str:
+    """sha256 of a tokenized dataset's codes: each row's track and its codes (little-endian int16), in the
+    dataset's order. Equal for two tokenizations exactly when they give every row the same codes, whatever
+    the audio column or the folder layout; a study carried between machines checks it (experiments/study.py)."""
+    import hashlib
+
+    hf, _ = load_tokenized(path)
+    rows = hf.select_columns(["track", "codes"]).with_format("numpy")
+    digest = hashlib.sha256()
+    for i in range(0, len(rows), 256):
+        batch = rows[i : i + 256]
+        for track, codes in zip(batch["track"], batch["codes"]):
+            digest.update(str(track).encode() + b"\0")
+            digest.update(np.asarray(codes, dtype="<i2").tobytes())
+    return digest.hexdigest()
+
+
 def check_same_tokenizer(info_a: dict[str, Any], info_b: dict[str, Any], what_a: str = "A",
                          what_b: str = "B") -> None:
     """Raise TokenizerMismatch unless both sides used the same EnCodec weights and settings."""

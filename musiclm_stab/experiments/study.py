@@ -180,6 +180,31 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+DATA_RECORD = "data.json"
+
+
+def check_study_data(folder: Path, data: str | Path) -> str:
+    """The sha256 of ``data``'s codes, checked against FOLDER/data.json, the record of the codes the study's
+    earlier runs trained on (written when missing). A study run in pieces, on several machines or after its
+    run directories were copied elsewhere, must train every run on the same codes: else ConfigError."""
+    from musiclm_stab.data.tokenized import codes_sha256
+
+    sha = codes_sha256(data)
+    record = folder / DATA_RECORD
+    if record.is_file():
+        earlier = json.loads(record.read_text())
+        if earlier.get("codes_sha256") != sha:
+            raise ConfigError(
+                f"{data} has codes sha256 {sha}, but the runs of {folder} were trained on codes with sha256 "
+                f"{earlier.get('codes_sha256')} ({earlier.get('data')}, {record}): tokenize the same corpus with "
+                f"the same weights, or give this study another --runs / --name"
+            )
+        return sha
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"data": str(data), "codes_sha256": sha}, indent=1) + "\n")
+    return sha
+
+
 def run_study(study: Study, accelerate: str | None = None, threads: int | None = None, jobs: int = 1,
               formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False) -> list[Path]:
     """Train the study's runs through ``accelerate launch``, ``jobs`` at a time, then draw the figures
@@ -207,6 +232,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
             raise ConfigError(
                 f"{cfg.run_dir} holds a run with another config; remove it or choose another --runs / --name"
             )
+    check_study_data(study.figures_dir.parent, configs[0].data.path)
     # the level every run's held-out codebook-0 loss is judged against (the same data, split and masks)
     unigram = unigram_eval_loss(configs[0])["unigram_eval_cb0"]
     print(f"held-out unigram level (codebook 0, training split's frequencies): {unigram:.3f} bits", flush=True)
