@@ -14,6 +14,7 @@ tokenizer takes the format's constants from here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from collections.abc import Sequence
@@ -276,8 +277,6 @@ def codes_sha256(path: str | Path | Sequence[str | Path]) -> str:
     """sha256 of a tokenized dataset's codes: each row's track and its codes (little-endian int16), in the
     dataset's order. Equal for two tokenizations exactly when they give every row the same codes, whatever
     the audio column or the folder layout; a study carried between machines checks it (experiments/study.py)."""
-    import hashlib
-
     hf, _ = load_tokenized(path)
     rows = hf.select_columns(["track", "codes"]).with_format("numpy")
     digest = hashlib.sha256()
