@@ -1,5 +1,8 @@
 """Training data: track split, frame-aligned crops, seeded batches, noise mixup on the input only."""
 
+import json
+
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -15,7 +18,7 @@ from musiclm_stab.data import (
     noise_mixup,
     split_indices,
 )
-from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.data.tokenized import codes_sha256, load_tokenized
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +190,28 @@ def test_streaming_processes_read_disjoint_examples_covering_the_epoch(tokenized
     # 6 examples, global batches of 2 x 2: one batch, the remainder dropped on both processes alike
     ranks = [StreamingCrops(stream, 0.0, 2.0, batch_size=2, rank=r, world_size=2) for r in range(2)]
     assert [len(d) for d in ranks] == [1, 1] and [len(_epoch(d)) for d in ranks] == [1, 1]
+
+
+def test_codes_sha256_sees_one_code_and_the_shape(tokenized_dataset, hf, tmp_path):
+    """The study's record of its data: the same codes in another folder layout hash the same; one code
+    changed by one, or a row's codes in another shape (the same bytes in the same order), do not."""
+
+    info = json.loads((tokenized_dataset / "tokenizer.json").read_text())
+    info.pop("parts")  # folders written by save_to_disk are read through their state.json
+
+    def saved(name, table):
+        out = tmp_path / name
+        datasets.Dataset.from_dict(table, features=hf.features).save_to_disk(out)
+        (out / "tokenizer.json").write_text(json.dumps(info))
+        return out
+
+    table = hf.to_dict()
+    reference = codes_sha256(tokenized_dataset)
+    assert codes_sha256(saved("same", table)) == reference
+    one_code = json.loads(json.dumps(table))
+    one_code["codes"][len(hf) // 2][3][7] = (one_code["codes"][len(hf) // 2][3][7] + 1) % 1024
+    assert codes_sha256(saved("one_code", one_code)) != reference
+    reshaped = json.loads(json.dumps(table))  # row 0's (K, T) codes as (K / 2, 2 T): the same bytes in order
+    rows = np.asarray(reshaped["codes"][0])
+    reshaped["codes"][0] = rows.reshape(rows.shape[0] // 2, -1).tolist()
+    assert codes_sha256(saved("reshaped", reshaped)) != reference

@@ -274,17 +274,19 @@ def load_tokenized(path: str | Path | Sequence[str | Path], streaming: bool = Fa
 
 
 def codes_sha256(path: str | Path | Sequence[str | Path]) -> str:
-    """sha256 of a tokenized dataset's codes: each row's track and its codes (little-endian int16), in the
-    dataset's order. Equal for two tokenizations exactly when they give every row the same codes, whatever
-    the audio column or the folder layout; a study carried between machines checks it (experiments/study.py)."""
+    """sha256 of a tokenized dataset's codes: each row's track, the shape of its codes and the codes
+    (little-endian int16), in the dataset's order. Equal for two tokenizations exactly when they give every
+    row the same codes (the shape delimits the rows), whatever the audio column or the folder layout; a
+    study carried between machines checks it (experiments/study.py)."""
     hf, _ = load_tokenized(path)
     rows = hf.select_columns(["track", "codes"]).with_format("numpy")
     digest = hashlib.sha256()
     for i in range(0, len(rows), 256):
         batch = rows[i : i + 256]
         for track, codes in zip(batch["track"], batch["codes"]):
-            digest.update(str(track).encode() + b"\0")
-            digest.update(np.asarray(codes, dtype="<i2").tobytes())
+            codes = np.asarray(codes, dtype="<i2")
+            digest.update(f"{track}\0{'x'.join(map(str, codes.shape))}\0".encode())
+            digest.update(codes.tobytes())
     return digest.hexdigest()
 
 
