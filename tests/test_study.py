@@ -210,3 +210,31 @@ def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):
         launches = [a for a in map(shlex.split, capsys.readouterr().out.splitlines()) if "launch" in a[:3]]
         assert len(launches) == 4
         assert all(f"--data.path={tmp_path / 'w' / folder}" in argv for argv in launches), launches[0]
+
+
+def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
+    """The CPU study is run in pieces on machines that do not keep their files: each finished run travels in
+    docs/study_cpu/runs/ (config.yaml, metrics.jsonl, tokenizer.json). Each must be a run of the committed
+    plan with exactly the plan's config, trained to its last step (or ended by the loss-scale floor), and
+    the docs must count them: on a clean clone this fails if a carried run was not committed."""
+    import re
+
+    import yaml
+
+    from musiclm_stab.analysis.runs import read_run
+
+    carried = REPO / "docs" / "study_cpu" / "runs"
+    planned = {r.config().run_dir.name: r.config() for r in
+               plan_study("cpu", "runs", data="work/hours256_tokens").runs}
+    dirs = sorted(d for d in carried.iterdir() if d.is_dir())
+    assert re.fullmatch(r"[0-9a-f]{64}", json.loads((carried / "data.json").read_text())["codes_sha256"])
+    for d in dirs:
+        assert {"config.yaml", "metrics.jsonl", "tokenizer.json"} <= {f.name for f in d.iterdir()}, d
+        cfg = planned[d.name]
+        assert yaml.safe_load((d / "config.yaml").read_text()) == yaml.safe_load(
+            yaml.safe_dump(cfg.to_dict(), sort_keys=False)), d
+        run = read_run(d)
+        assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
+    n = len(dirs)
+    assert f"{n} of the {len(planned)} runs trained" in (REPO / "docs" / "STUDY.md").read_text()
+    assert f"{n} of {len(planned)} runs so far" in (REPO / "README.md").read_text()
