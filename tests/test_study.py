@@ -177,6 +177,14 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     with tarfile.open(out / "study_gpu.tar.gz") as tar:
         names = tar.getnames()
     assert "figures/claims.md" in names and f"{STUDY_RECIPES[2]}_gpu_lr1e-3_s0/metrics.jsonl" in names
+    assert "data.json" in names and f"{STUDY_RECIPES[1]}_gpu_lr1e-3_s0/study_time.json" in names
+    # each finished run records the wall time of its launch; the study's timing.json gathers them
+    timing = json.loads((root / "figures" / "timing.json").read_text())
+    assert sorted(timing["run_times"]) == sorted(timing["run_wall_s"]) == sorted(f"{s}_gpu_lr1e-3_s0" for s in STUDY_RECIPES)
+    for name, record in timing["run_times"].items():
+        assert record == {"wall_s": timing["run_wall_s"][name], "jobs": 2, "threads_per_run": None, "resumed": False}
+        assert json.loads((root / name / "study_time.json").read_text()) == record
+    assert timing["run_wall_s_over_jobs"] == pytest.approx(sum(timing["run_wall_s"].values()) / 2, abs=0.2)
     assert "study exited with 0" in (out / "study_gpu.log").read_text()
     # The same study again (an interrupted study is rerun this way): its finished runs are read, not launched.
     def no_launch(*args, **kwargs):
@@ -188,6 +196,8 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     run_study(again, jobs=2, formats=("png",))
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
+    again_timing = json.loads((root / "figures" / "timing.json").read_text())  # nothing trained by this piece,
+    assert again_timing["run_wall_s"] == {} and again_timing["run_times"] == timing["run_times"]  # all timed
     # The codes the runs trained on are recorded beside them; a piece of the study on other codes is refused.
     record = json.loads((root / "data.json").read_text())
     assert record["codes_sha256"] == codes_sha256(tokenized_dataset)
@@ -214,7 +224,7 @@ def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):
 
 def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
     """The CPU study is run in pieces on machines that do not keep their files: each finished run travels in
-    docs/study_cpu/runs/ (config.yaml, metrics.jsonl, tokenizer.json). Each must be a run of the committed
+    docs/study_cpu/runs/ (config.yaml, metrics.jsonl, tokenizer.json, study_time.json). Each must be a run of the committed
     plan with exactly the plan's config, trained to its last step (or ended by the loss-scale floor), and
     the docs must count them: on a clean clone this fails if a carried run was not committed."""
     import re
@@ -229,7 +239,9 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
     dirs = sorted(d for d in carried.iterdir() if d.is_dir())
     assert re.fullmatch(r"[0-9a-f]{64}", json.loads((carried / "data.json").read_text())["codes_sha256"])
     for d in dirs:
-        assert {"config.yaml", "metrics.jsonl", "tokenizer.json"} <= {f.name for f in d.iterdir()}, d
+        assert {"config.yaml", "metrics.jsonl", "tokenizer.json", "study_time.json"} <= {f.name for f in d.iterdir()}, d
+        timed = json.loads((d / "study_time.json").read_text())  # the study's measured cost sums these
+        assert timed["wall_s"] > 0 and timed["jobs"] in (1, 2) and timed["threads_per_run"] == 1, d
         cfg = planned[d.name]
         assert yaml.safe_load((d / "config.yaml").read_text()) == yaml.safe_load(
             yaml.safe_dump(cfg.to_dict(), sort_keys=False)), d

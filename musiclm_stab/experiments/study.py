@@ -175,6 +175,15 @@ def probed_already(run_dir: Path) -> dict | None:
     return result if same and result.get("step") == read_run(run_dir).last_step else None
 
 
+RUN_TIME_FILE = "study_time.json"
+
+
+def run_times(run_dirs: list[Path]) -> dict[str, dict]:
+    """Each run's RUN/study_time.json (the wall time of the launch that finished it, with the jobs beside it),
+    by run name, for the runs that have one: a study run in pieces sums its cost from these."""
+    return {d.name: json.loads((d / RUN_TIME_FILE).read_text()) for d in run_dirs if (d / RUN_TIME_FILE).is_file()}
+
+
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -213,7 +222,11 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     ``threads`` sets OMP_NUM_THREADS of the runs (None: leave the environment as it is). Returns the
     written files. Progress: a banner per run; with ``jobs`` 1 the trainer's own output, else one log file
     per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
-    wall time of each run and of the whole study, and the CPU time of the runs. ``probe``: ``probe_study``
+    wall time of each run and of the whole study, and the CPU time of the runs. Each finished run also
+    gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed),
+    which travels with the run; ``timing.json`` gathers these of every run of the study (``run_times``)
+    and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
+    pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
     before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
     needs the corpus's labels.jsonl.
     """
@@ -243,6 +256,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     n = len(study.runs)
     rows: dict[int, dict] = {}
     walls: dict[str, float] = {}
+    resumed: dict[int, bool] = {}
     logs = study.figures_dir.parent / "logs"
     pending = list(range(n))
     active: dict[int, tuple[subprocess.Popen, float, object]] = {}
@@ -257,6 +271,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
             rows[i] = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
             return
         resume = state != "new"
+        resumed[i] = resume
         if resume:
             print("(this run directory exists with the same config: resuming it)")
         cmd = run.command(accelerate, single_process=study.scale != "full", resume=resume)
@@ -283,6 +298,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         cfg = configs[i]
         rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
         walls[cfg.run_dir.name] = took = time.time() - started
+        record = {"wall_s": round(took, 1), "jobs": jobs, "threads_per_run": threads, "resumed": resumed[i]}
+        (cfg.run_dir / RUN_TIME_FILE).write_text(json.dumps(record) + "\n")
         done = len(rows)
         left = (time.time() - t0) / len(walls) * (n - done)  # at the pace of the runs trained here
         print(
@@ -329,6 +346,10 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
               "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1),
               "probe_wall_s": round(probe_wall, 1) if probe else None,
               "total_wall_s": round(time.time() - t0, 1), "run_wall_s": {k: round(v, 1) for k, v in walls.items()}}
+    # every run's own record, also of runs trained by earlier pieces (here or on another machine)
+    timing["run_times"] = every = run_times(run_dirs)
+    timing["runs_timed"] = len(every)
+    timing["run_wall_s_over_jobs"] = round(sum(r["wall_s"] / r["jobs"] for r in every.values()), 1)
     (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
           f"{train_cpu / 60:.1f} min CPU). Figures:")
