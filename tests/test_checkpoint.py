@@ -40,8 +40,10 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete rows: a last line the trainer is still appending (no newline yet) is left out."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:

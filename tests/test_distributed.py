@@ -126,11 +126,12 @@ def test_layerdrop_trains_under_ddp(tokenized_dataset, tmp_path):
 
 
 def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str = "",
-                     torchrun: bool = True) -> dict[int, tuple[int, str]]:
+                     torchrun: bool = True, timeout: float = 600) -> dict[int, tuple[int, str]]:
     """2 gloo processes of tests/train_faults.py (pretrain.py that reports on its exit): {rank: (exit code,
     output)}. Under torchrun (its exit code for both ranks), or started here with the variables torchrun
     sets: then each rank exits by itself (torchrun stops the other ranks when one fails, and a rank
-    stopped before its report would make the test flaky)."""
+    stopped before its report would make the test flaky), and a rank still running after ``timeout``
+    seconds (one waiting at a barrier would wait for the 30-minute process-group timeout) fails the test."""
     logs = out / f"logs-{name}-{len(list(out.glob(f'logs-{name}-*')))}"
     args = [str(FAULTS), "--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}",
             f"--train.output_dir={out}", f"--train.name={name}", "--data.batch_size=1", "--data.crop_seconds=2.0",
@@ -151,7 +152,14 @@ def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str =
                                               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": str(rank),
                                               "LOCAL_RANK": str(rank)})
              for rank in (0, 1)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        left = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"still running after {timeout} s: a rank hangs\n" +
+                             "\n".join(f"rank {r}: {o[-2000:]}" for r, o in enumerate(left))) from None
     return {rank: (procs[rank].returncode, outputs[rank]) for rank in (0, 1)}
 
 

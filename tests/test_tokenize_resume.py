@@ -63,6 +63,14 @@ def reference(corpus, local_weights, tmp_path_factory):
     return out
 
 
+def _alive(pid: int) -> bool:
+    """A process that runs (not a zombie); one reaped meanwhile is not alive (no race between two looks)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_sigkill_mid_run_then_rerun_equals_uninterrupted_run(corpus, reference, local_weights, tmp_path):
     """`musiclm-stab tokenize` (2 worker processes) killed with SIGKILL after some units are committed
     leaves no process behind and no tokenizer.json; the same command again finishes with the reference
@@ -84,10 +92,9 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted_run(corpus, reference, 
     done = len(list(units.glob("u*.json")))
     assert 3 <= done < 9 and not (out / "tokenizer.json").exists()
     deadline = time.monotonic() + 30  # the workers die with their parent (PR_SET_PDEATHSIG)
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in family):
+    while time.monotonic() < deadline and any(map(_alive, family)):
         time.sleep(0.1)
-    assert family and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in family)
+    assert family and not any(map(_alive, family))
 
     summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
     assert summary.units_done_before >= done and summary.num_units == 9
