@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proc import run_group
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -43,8 +45,7 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, local_weig
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
            "GPU_SUITE_DATA": str(tokenized_dataset), "GPU_SUITE_AUDIO": str(audio),
            "GPU_SUITE_WEIGHTS": str(local_weights), "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--smoke"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = run_group(["bash", "benchmarks/gpu_suite.sh", "--smoke"], timeout=1200, cwd=REPO, env=env)
     out = tmp_path / "out"
     log = (out / "suite.log").read_text() if (out / "suite.log").exists() else proc.stderr
     assert proc.returncode == 0, log[-3000:]

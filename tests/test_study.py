@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from proc import run_group
 
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
@@ -161,9 +162,9 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     # study_gpu_wheels.sh may have left in .whl/ (built for its Python, 3.12)
     env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
            "STUDY_GPU_WHEELS": ""}
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "2",
-                           "--jobs", "2", "--lrs", "1e-3", "--no-control", "--data", str(tokenized_dataset), "--set", *tiny],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_group(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "2",
+                      "--jobs", "2", "--lrs", "1e-3", "--no-control", "--data", str(tokenized_dataset), "--set", *tiny],
+                     timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     root = tmp_path / "out" / "runs" / "study_gpu"
     for stem in STUDY_RECIPES:
