@@ -201,6 +201,11 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
         *figure, tmp_path / "study_cpu" / f"{STUDY_RECIPES[2]}_tiny_lr3e-3_s0"]
     assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2))) == figure  # the best is already a figure run
     assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2), nan=(STUDY_RECIPES[0], 3e-3))) == figure
+    # a study in pieces probes the first seed of every cell, the claims' runs first, never the control
+    every = probe_targets(study, rows((STUDY_RECIPES[2], 3e-3)), every_first_seed=True)
+    assert every[:5] == probe_targets(study, rows((STUDY_RECIPES[2], 3e-3)))
+    assert sorted(every) == sorted(r.config().run_dir for r in study.runs if r.seed == 0 and r.stem != CONTROL)
+    assert len(every) == 8
 
 
 def test_held_out_tracks_never_reach_the_probe_that_scores_them():

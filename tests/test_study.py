@@ -223,6 +223,12 @@ def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):
         assert all(f"--data.path={tmp_path / 'w' / folder}" in argv for argv in launches), launches[0]
 
 
+def test_probe_every_first_seed_needs_probe(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--print-only", "--runs", str(tmp_path), "--probe-every-first-seed"])
+    assert "--probe-every-first-seed needs --probe" in capsys.readouterr().err
+
+
 def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
     """The CPU study is run in pieces on machines that do not keep their files: each finished run travels in
     docs/study_cpu/runs/ (config.yaml, metrics.jsonl, tokenizer.json, study_time.json). Each must be a run of the committed

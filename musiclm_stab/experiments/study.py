@@ -117,9 +117,13 @@ def format_summary(rows: list[dict]) -> str:
 PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
 
 
-def probe_targets(study: Study, rows: list[dict]) -> list[Path]:
+def probe_targets(study: Study, rows: list[dict], every_first_seed: bool = False) -> list[Path]:
     """The runs the study probes: the first seed of each configuration at the figure lr, and of the best
-    (configuration, lr) by mean final held-out codebook-0 loss (the "learns" check's run), if another."""
+    (configuration, lr) by mean final held-out codebook-0 loss (the "learns" check's run), if another.
+
+    ``every_first_seed``: also the first seed of every other (configuration, lr), after those. A study
+    trained in pieces on machines that do not keep checkpoints passes it, so that whichever cell turns
+    out best at the end already carries its probe; the claims still read only the runs above."""
     first = study.seeds[0]
     dirs = [run.config().run_dir for run in figure_runs(study) if run.seed == first]
     by_cell: dict[tuple, list[float]] = {}
@@ -132,12 +136,17 @@ def probe_targets(study: Study, rows: list[dict]) -> list[Path]:
         stem, lr = min(finite, key=finite.get)
         best = [run.config().run_dir for run in study.runs if (run.stem, run.lr, run.seed) == (stem, lr, first)]
         dirs += [d for d in best if d not in dirs]
+    if every_first_seed:
+        rest = [run.config().run_dir for run in study.runs if run.stem in STUDY_RECIPES and run.seed == first]
+        dirs += [d for d in rest if d not in dirs]
     return dirs
 
 
-def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int = 1) -> Path:
-    """Linear pitch probes of the final checkpoints of ``probe_targets``, each against its own random
-    init, and their figure (``probe.png`` in the study's figures folder); returns the figure.
+def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int = 1,
+                every_first_seed: bool = False) -> Path:
+    """Linear pitch probes of the final checkpoints of ``probe_targets`` (with ``every_first_seed``), each
+    against its own random init, and their figure (``probe.png`` in the study's figures folder, of the
+    runs the claims read); returns the figure.
 
     One task, one baseline and one L2 penalty (0.01; ``musiclm-stab probe`` chooses among four by inner
     cross-validation, four times the fits) bound its cost (timed in ``timing.json``). Each probed run gets
@@ -148,16 +157,18 @@ def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int
     from musiclm_stab.analysis.probe import probe_runs
     from musiclm_stab.analysis.probe_figure import save_probe_figure
 
-    dirs = probe_targets(study, rows)
+    claimed = probe_targets(study, rows)
+    dirs = probe_targets(study, rows, every_first_seed)
     print(f"\n=== linear probes (pitch, against random init) of the first seed of each configuration at the "
-          f"figure lr and of the best one: {len(dirs)} runs", flush=True)
+          f"figure lr and of the best one{', and of every other cell' if every_first_seed else ''}: "
+          f"{len(dirs)} runs", flush=True)
     done = {d: probed_already(d) for d in dirs}
     for d, result in done.items():
         if result is not None:
             print(f"probed already at step {result['step']}: {d / 'probe' / 'probe.json'} (not probed again)")
     todo = [d for d in dirs if done[d] is None]
     fresh = dict(zip(todo, probe_runs(todo, jobs=jobs, progress=progress, **PROBE))) if todo else {}
-    return save_probe_figure([done[d] or fresh[d] for d in dirs], study.figures_dir / "probe.png")
+    return save_probe_figure([done[d] or fresh[d] for d in claimed], study.figures_dir / "probe.png")
 
 
 def probed_already(run_dir: Path) -> dict | None:
@@ -215,7 +226,8 @@ def check_study_data(folder: Path, data: str | Path) -> str:
 
 
 def run_study(study: Study, accelerate: str | None = None, threads: int | None = None, jobs: int = 1,
-              formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False) -> list[Path]:
+              formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False,
+              probe_every_first_seed: bool = False) -> list[Path]:
     """Train the study's runs through ``accelerate launch``, ``jobs`` at a time, then draw the figures
     (seed bands, every codebook, attention logits, held-out curves) and write the claims table.
 
@@ -228,7 +240,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
     pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
     before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
-    needs the corpus's labels.jsonl.
+    needs the corpus's labels.jsonl. ``probe_every_first_seed``: the probes' ``every_first_seed``.
     """
     from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.analysis.lr_figure import save_lr_figure
@@ -327,7 +339,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     run_dirs = [cfg.run_dir for cfg in configs]
     summary = [rows[i] for i in range(n)]
     t_probe = time.time()
-    written = [probe_study(study, summary, jobs=jobs)] if probe else []
+    written = [probe_study(study, summary, jobs=jobs, every_first_seed=probe_every_first_seed)] if probe else []
     probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
@@ -387,6 +399,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", action="store_true",
                    help="linear pitch probes of seed 0 of each configuration (figure probe.png and a column of the claims "
                         "table; needs the corpus's labels)")
+    p.add_argument("--probe-every-first-seed", action="store_true",
+                   help="with --probe, also probe the first seed of every other (configuration, lr) trained: for a "
+                        "study in pieces whose checkpoints do not travel, so the best cell, known at the end, has its probe")
     p.add_argument("--runs", default="runs", help="folder for run directories (default: runs)")
     p.add_argument("--name", help="cpu/gpu scale: the study's folder under --runs (default study_cpu / study_gpu)")
     add_job_options(p, "; cpu scale only")
@@ -397,6 +412,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--seeds must be >= 1")
     if args.jobs is not None and args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if args.probe_every_first_seed and not args.probe:
+        p.error("--probe-every-first-seed needs --probe")
 
     data = args.data
     if data is None and args.scale != "full":
@@ -415,7 +432,8 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(shlex.join(plot_command(study)))
             print(shlex.join(claims_command(study)))
             return 0
-        run_study(study, threads=threads, jobs=args.jobs or DEFAULT_JOBS[args.scale], probe=args.probe)
+        run_study(study, threads=threads, jobs=args.jobs or DEFAULT_JOBS[args.scale], probe=args.probe,
+                  probe_every_first_seed=args.probe_every_first_seed)
     except ConfigError as e:
         print(f"musiclm-stab study: error: {e}", file=sys.stderr)
         return 2
