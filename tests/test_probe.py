@@ -244,6 +244,40 @@ def test_probe_is_deterministic_given_the_seed(trained_run):
                                                                         probe_data.folds_of_tracks(4, 3, 1)]
 
 
+def test_random_init_features_are_shared_by_runs_of_one_architecture(trained_run, tmp_path, monkeypatch):
+    """A run beside one already probed reads that run's cached random-init features (same architecture,
+    probe seed and data) and extracts only its own model's; another probe seed, or another architecture,
+    extracts its random init again."""
+    runs = tmp_path / "runs"
+    first, second = runs / "a", runs / "b"
+    for d in (first, second):
+        shutil.copytree(trained_run, d, ignore=shutil.ignore_patterns("probe"))
+    kwargs = dict(tasks=["key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
+                  progress=False, write=False)
+    done = probe.probe_run(first, **kwargs)
+    extracted: list[str] = []
+    real = probe_data._extract
+
+    def counting(data, name, *args, **kw):
+        extracted.append(name)
+        return real(data, name, *args, **kw)
+
+    monkeypatch.setattr(probe_data, "_extract", counting)
+    again = probe.probe_run(second, **kwargs)
+    assert extracted == ["model"]
+    assert again["results"]["random_init"] == done["results"]["random_init"]
+    assert not list((second / "probe" / "cache").glob("random_init-*"))  # read where it is, not copied
+    probe.probe_run(second, seed=1, **kwargs)
+    assert extracted == ["model", "random_init"]  # the model's own features: from its cache now
+    third = runs / "c"  # another model config (relax's alpha): its random init is not the first run's
+    shutil.copytree(trained_run, third, ignore=shutil.ignore_patterns("probe"))
+    cfg = (third / "config.yaml").read_text()
+    assert "relax_alpha: 32.0" in cfg
+    (third / "config.yaml").write_text(cfg.replace("relax_alpha: 32.0", "relax_alpha: 16.0"))
+    probe.probe_run(third, **kwargs)
+    assert extracted == ["model", "random_init", "model", "random_init"]
+
+
 def test_probe_names_missing_or_mismatched_labels(trained_run, rendered_tokens, tmp_path):
     """Data whose source has no labels, or labels of other audio, are refused naming the folder or track."""
     with pytest.raises(ConfigError, match=f"tokenized from '{tmp_path}', which has no labels.jsonl: pass --labels"):

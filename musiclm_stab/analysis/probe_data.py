@@ -18,7 +18,8 @@ and concatenated (8 x 1024 dimensions, kept as indices: a linear map of them is 
 embeddings); "prior": no features at all (the probe learns only its bias: the training label frequencies).
 The model's layer l is the l-th of its N+1 hidden states (export/features.py: 0 = the input of the
 first transformer layer). Features are extracted once and cached in ``RUN/probe/cache``, keyed by
-everything they depend on.
+everything they depend on; the random-init features are also read from the caches of the runs beside
+RUN (the same architecture, probe seed and data give the same features whatever the run's lr or seed).
 """
 
 from __future__ import annotations
@@ -255,13 +256,21 @@ def _cache_key(data: ProbeData, what: dict) -> tuple[dict, str]:
     return key, hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _cached(run_dir: Path, name: str, data: ProbeData, what: dict, make, use_cache: bool) -> FeatureSet:
+def _cached(run_dir: Path, name: str, data: ProbeData, what: dict, make, use_cache: bool,
+            siblings: bool = False) -> FeatureSet:
+    """The feature set from ``RUN/probe/cache`` when its key matches, else ``make()`` (then cached).
+    ``siblings``: also read a match from the caches of the runs beside this one (features that do not depend
+    on the run's weights, such as its architecture at random init, are the same for every run of that
+    architecture: a study's runs at other learning rates or training seeds share them)."""
     key, digest = _cache_key(data, what)
     path = run_dir / "probe" / "cache" / f"{name}-{digest}.pt"
-    if use_cache and path.is_file():
-        saved = torch.load(path, weights_only=True)
-        if saved.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str)):
-            return FeatureSet(name, saved["kind"], saved["frames"], saved["segments"], saved["source"])
+    if use_cache:
+        found = [path] + (sorted(run_dir.parent.glob(f"*/probe/cache/{path.name}")) if siblings else [])
+        for candidate in dict.fromkeys(found):
+            if candidate.is_file():
+                saved = torch.load(candidate, weights_only=True)
+                if saved.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str)):
+                    return FeatureSet(name, saved["kind"], saved["frames"], saved["segments"], saved["source"])
     fs = make()
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +307,7 @@ def feature_sets(run_dir: str | Path, data: ProbeData, layers: Sequence[int] | N
         out["random_init"] = _cached(
             run_dir, "random_init", data, {"feature": "random_init", "layers": chosen, "seed": seed,
                                            "model": asdict(mcfg), "torch": torch.__version__},
-            lambda: from_model("random_init", random_init_model(run_dir, seed))(), use_cache)
+            lambda: from_model("random_init", random_init_model(run_dir, seed))(), use_cache, siblings=True)
     if "cqt" in baselines:
         cqt = CQT(SAMPLE_RATE, fmin=mcfg.cqt_fmin, n_bins=mcfg.cqt_bins, bins_per_octave=mcfg.cqt_bins_per_octave)
 
