@@ -148,8 +148,8 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
                        extra=["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3",
                               "train.eval_every=0", "train.diagnostics_every=0"])
     dirs = [train(run.config()) for run in study.runs]
-    rows = [{} for _ in dirs]  # no held-out loss: no best cell beyond the figure lr's runs
-    figure = probe_study(study, rows, progress=False, jobs=2)  # two runs at a time, in spawned processes
+    # no held-out loss (eval_every 0): no best cell beyond the figure lr's runs
+    figure = probe_study(study, progress=False, jobs=2)  # two runs at a time, in spawned processes
     assert figure == study.figures_dir / "probe.png" and figure.stat().st_size > 10_000
     probed = [d for d in dirs if (d / "probe" / "probe.json").is_file()]
     assert probed == [run.config().run_dir for run in study.runs if run.seed == 0] and len(probed) == 4
@@ -167,43 +167,67 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     for d in dirs:
         shutil.rmtree(d / "checkpoints")
     figure.unlink()
-    assert probe_study(study, rows, progress=False, jobs=2) == figure and figure.is_file()
+    assert probe_study(study, progress=False, jobs=2) == figure and figure.is_file()
     assert {d: (d / "probe" / "probe.json").read_bytes() for d in probed} == before
     # a probe of another step is not the run's: probed again, which needs the checkpoint it no longer has
     result = json.loads(before[probed[0]])
     (probed[0] / "probe" / "probe.json").write_text(json.dumps({**result, "step": result["step"] - 1}))
     with pytest.raises(ConfigError, match="no complete checkpoint"):
-        probe_study(study, rows, progress=False, jobs=1)
+        probe_study(study, progress=False, jobs=1)
 
 
 def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
-    """probe_targets: seed 0 of each configuration at the figure lr, plus seed 0 of the (configuration, lr) with
-    the lowest mean final held-out cb0 over its seeds when that is another cell; non-finite losses (diverged
-    runs) and the QK-norm control never make the best cell."""
+    """probe_targets: seed 0 of each configuration at the figure lr, plus seed 0 of the cell the "learns" check
+    reads (lr_grid.best_cell: the lowest mean final held-out cb0 over the seeds, a diverged seed at the cap)
+    when that is another cell; the QK-norm control and cells outside complete blocks never make it."""
+    import math
+
+    from musiclm_stab.analysis.claim_stats import ROLES, Instability, RunStats
+    from musiclm_stab.analysis.lr_grid import learns
     from musiclm_stab.experiments.study import probe_targets
     from musiclm_stab.experiments.study_plan import CONTROL, STUDY_RECIPES, figure_runs, plan_study
 
     study = plan_study("cpu", tmp_path, "/data/tokens", seeds=2, lrs=(3e-3, 1e-2))
     figure = [r.config().run_dir for r in figure_runs(study) if r.seed == 0]
     assert len(figure) == 4 and all("_lr1e-2_s0" in d.name for d in figure)
+    role = dict(zip(STUDY_RECIPES, ROLES)) | {CONTROL: "qknorm"}
 
-    def rows(best: tuple[str, float], nan: tuple[str, float] | None = None) -> list[dict]:
+    def stats(best: tuple[str, float], diverged: tuple[str, float] | None = None, drop=None,
+              low: float = 5.0) -> list[RunStats]:
         out = []
         for run in study.runs:
             cell = (run.stem, run.lr)
+            if (cell, run.seed) == drop:
+                continue
             loss = 7.0 if cell == best else 6.0 if run.stem == CONTROL else 8.0 + run.seed
-            if cell == nan:  # seed 0 the lowest of all, seed 1 diverged
-                loss = 5.0 if run.seed == 0 else float("nan")
-            out.append({"final_eval_cb0": loss})
+            gone = cell == diverged and run.seed == 1  # seed 0 the lowest of all, seed 1 diverged (cap 10)
+            if cell == diverged:
+                loss = low if run.seed == 0 else math.nan
+            out.append(RunStats(path=str(run.config().run_dir), role=role[run.stem], lr=run.lr, seed=run.seed,
+                                precision="fp32", early_loss=math.nan, median_grad_norm=math.nan,
+                                peak_ratio=math.nan, clip_share_early=math.nan,
+                                instability=Instability(0, 0, 0, gone), final_eval_cb0=loss, initial_eval_cb0=10.0))
         return out
 
-    assert probe_targets(study, rows((STUDY_RECIPES[2], 3e-3))) == [
-        *figure, tmp_path / "study_cpu" / f"{STUDY_RECIPES[2]}_tiny_lr3e-3_s0"]
-    assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2))) == figure  # the best is already a figure run
-    assert probe_targets(study, rows((STUDY_RECIPES[1], 1e-2), nan=(STUDY_RECIPES[0], 3e-3))) == figure
+    deepnorm_3e3 = tmp_path / "study_cpu" / f"{STUDY_RECIPES[2]}_tiny_lr3e-3_s0"
+    assert probe_targets(study, stats((STUDY_RECIPES[2], 3e-3))) == [*figure, deepnorm_3e3]
+    assert probe_targets(study, stats((STUDY_RECIPES[1], 1e-2))) == figure  # the best is already a figure run
+    # a diverged seed counts at the cap, as in "learns": (5 + 10) / 2 = 7.5 loses to 7
+    both = stats((STUDY_RECIPES[1], 1e-2), diverged=(STUDY_RECIPES[0], 3e-3))
+    assert probe_targets(study, both) == figure
+    assert learns(both, None)["best"]["role"] == "clip1"
+    both = stats((STUDY_RECIPES[1], 1e-2), diverged=(STUDY_RECIPES[0], 3e-3), low=3.0)  # (3 + 10) / 2 < 7
+    assert probe_targets(study, both) == [*figure, tmp_path / "study_cpu" / f"{STUDY_RECIPES[0]}_tiny_lr3e-3_s0"]
+    assert (learns(both, None)["best"]["role"], learns(both, None)["best"]["lr"]) == ("clip10", 3e-3)
+    # the best cell lies in an incomplete block (relax missing at lr 3e-3, seed 1): the check does not read it
+    assert probe_targets(study, stats((STUDY_RECIPES[2], 3e-3), drop=((STUDY_RECIPES[3], 3e-3), 1))) == [
+        *figure, deepnorm_3e3]  # block (3e-3, 0) is still complete; with seed 0 gone too it is not
+    gone = [s for s in stats((STUDY_RECIPES[2], 3e-3)) if not (s.lr == 3e-3 and s.role == "relax")]
+    assert probe_targets(study, gone) == figure
+    assert probe_targets(study, []) == figure  # nothing trained yet: no block, no best cell
     # a study in pieces probes the first seed of every cell, the claims' runs first, never the control
-    every = probe_targets(study, rows((STUDY_RECIPES[2], 3e-3)), every_first_seed=True)
-    assert every[:5] == probe_targets(study, rows((STUDY_RECIPES[2], 3e-3)))
+    every = probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)), every_first_seed=True)
+    assert every[:5] == probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)))
     assert sorted(every) == sorted(r.config().run_dir for r in study.runs if r.seed == 0 and r.stem != CONTROL)
     assert len(every) == 8
 

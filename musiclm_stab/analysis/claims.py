@@ -62,7 +62,7 @@ from musiclm_stab.experiments.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
            "analyse", "claims_of", "cli_main", "control_of", "fill_doc", "find_run_dirs", "markdown",
-           "probe_score", "role_of", "study_blocks", "to_json", "write_claims"]
+           "probe_score", "role_of", "study_blocks", "to_json", "used_runs", "write_claims"]
 
 CLIP_SHARE_MIN = 0.2
 MIN_BLOCKS = 6
@@ -201,12 +201,16 @@ def control_of(blocks: Blocks) -> dict | None:
     return {"blocks": [list(k) for k in keys], "parts": parts}
 
 
+def used_runs(blocks: Blocks) -> list[RunStats]:
+    """The runs the grid, "learns" and the probes are of: those of the complete blocks, and the control."""
+    return [s for runs in blocks.complete.values() for s in runs.values()] + list(blocks.control.values())
+
+
 def analyse(stats: Sequence[RunStats], unigram_eval_cb0: float | None = None) -> dict:
     """Everything claims.md shows, as one dict: blocks, the decided claims, the control, the grid."""
     blocks = study_blocks(stats)
-    used = [s for runs in blocks.complete.values() for s in runs.values()] + list(blocks.control.values())
     return {"blocks": blocks, "claims": claims_of(blocks), "control": control_of(blocks),
-            **summarise_grid(used, unigram_eval_cb0)}
+            **summarise_grid(used_runs(blocks), unigram_eval_cb0)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -120,8 +120,10 @@ def largest_stable_lr(by_lr: dict[float, list[RunStats]]) -> float | None:
     return max(stable) if stable else None
 
 
-def learns(runs: Sequence[RunStats], unigram_eval_cb0: float | None) -> dict:
-    """Whether the study learns (module docstring): {"verdict", "best", "eval", "probe"} with the numbers."""
+def best_cell(runs: Sequence[RunStats]) -> tuple[str, float, float, list[RunStats]] | None:
+    """The (role, lr) of the claims' four configurations with the lowest L(lr) (a diverged seed at the
+    cap): (role, lr, L, its runs by seed); None when no cell has a finite L. The "learns" check's cell,
+    and so the one the study probes beside the figure lr's."""
     best = None
     for role, by_lr in _by([r for r in runs if r.role in ROLES]).items():
         cap = cap_of([r for seeds in by_lr.values() for r in seeds])
@@ -129,6 +131,12 @@ def learns(runs: Sequence[RunStats], unigram_eval_cb0: float | None) -> dict:
             level = _mean(capped_values(seeds, cap))
             if math.isfinite(level) and (best is None or level < best[2]):
                 best = (role, lr, level, seeds)
+    return best
+
+
+def learns(runs: Sequence[RunStats], unigram_eval_cb0: float | None) -> dict:
+    """Whether the study learns (module docstring): {"verdict", "best", "eval", "probe"} with the numbers."""
+    best = best_cell(runs)
     out: dict = {"best": None, "eval": None, "probe": None}
     if best is not None:
         role, lr, level, seeds = best

@@ -117,36 +117,35 @@ def format_summary(rows: list[dict]) -> str:
 PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
 
 
-def probe_targets(study: Study, rows: list[dict], every_first_seed: bool = False) -> list[Path]:
-    """The runs the study probes: the first seed of each configuration at the figure lr, and of the best
-    (configuration, lr) by mean final held-out codebook-0 loss (the "learns" check's run), if another.
+def probe_targets(study: Study, stats: list, every_first_seed: bool = False) -> list[Path]:
+    """The runs the study probes: the first seed of each configuration at the figure lr, and of the
+    (configuration, lr) that the "learns" check reads (analysis/lr_grid.best_cell over the complete blocks
+    of ``stats``, the trained runs' RunStats), if another.
 
     ``every_first_seed``: also the first seed of every other (configuration, lr), after those. A study
     trained in pieces on machines that do not keep checkpoints passes it, so that whichever cell turns
     out best at the end already carries its probe; the claims still read only the runs above."""
+    from musiclm_stab.analysis.claims import study_blocks, used_runs
+    from musiclm_stab.analysis.lr_grid import best_cell
+
     first = study.seeds[0]
     dirs = [run.config().run_dir for run in figure_runs(study) if run.seed == first]
-    by_cell: dict[tuple, list[float]] = {}
-    for run, row in zip(study.runs, rows):
-        if run.stem in STUDY_RECIPES and "final_eval_cb0" in row:
-            loss = row["final_eval_cb0"]  # a diverged or non-finite run counts as +inf: its cell is not the best
-            by_cell.setdefault((run.stem, run.lr), []).append(loss if math.isfinite(loss) else math.inf)
-    finite = {cell: sum(v) / len(v) for cell, v in by_cell.items() if math.isfinite(sum(v))}
-    if finite:
-        stem, lr = min(finite, key=finite.get)
-        best = [run.config().run_dir for run in study.runs if (run.stem, run.lr, run.seed) == (stem, lr, first)]
-        dirs += [d for d in best if d not in dirs]
+    try:
+        best = best_cell(used_runs(study_blocks(stats)))
+    except ValueError:  # no complete block: no "learns" check, no best cell
+        best = None
+    if best is not None:
+        dirs += [d for d in (Path(r.path) for r in best[3] if r.seed == first) if d not in dirs]
     if every_first_seed:
         rest = [run.config().run_dir for run in study.runs if run.stem in STUDY_RECIPES and run.seed == first]
         dirs += [d for d in rest if d not in dirs]
     return dirs
 
 
-def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int = 1,
-                every_first_seed: bool = False) -> Path:
-    """Linear pitch probes of the final checkpoints of ``probe_targets`` (with ``every_first_seed``), each
-    against its own random init, and their figure (``probe.png`` in the study's figures folder, of the
-    runs the claims read); returns the figure.
+def probe_study(study: Study, progress: bool = True, jobs: int = 1, every_first_seed: bool = False) -> Path:
+    """Linear pitch probes of the final checkpoints of ``probe_targets`` (with ``every_first_seed``) of
+    the study's trained runs, each against its own random init, and their figure (``probe.png`` in the
+    study's figures folder, of the runs the claims read); returns the figure.
 
     One task, one baseline and one L2 penalty (0.01; ``musiclm-stab probe`` chooses among four by inner
     cross-validation, four times the fits) bound its cost (timed in ``timing.json``). Each probed run gets
@@ -154,11 +153,14 @@ def probe_study(study: Study, rows: list[dict], progress: bool = True, jobs: int
     probed at a time. A run that already holds this probe of its last step (``probed_already``) is read, not
     probed again: a study carried from another machine keeps its probes without its checkpoints.
     """
+    from musiclm_stab.analysis.claim_stats import run_stats
     from musiclm_stab.analysis.probe import probe_runs
     from musiclm_stab.analysis.probe_figure import save_probe_figure
+    from musiclm_stab.analysis.runs import read_run
 
-    claimed = probe_targets(study, rows)
-    dirs = probe_targets(study, rows, every_first_seed)
+    stats = [run_stats(read_run(run.config().run_dir, "bits")) for run in study.runs]
+    claimed = probe_targets(study, stats)
+    dirs = probe_targets(study, stats, every_first_seed)
     print(f"\n=== linear probes (pitch, against random init) of the first seed of each configuration at the "
           f"figure lr and of the best one{', and of every other cell' if every_first_seed else ''}: "
           f"{len(dirs)} runs", flush=True)
@@ -339,7 +341,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     run_dirs = [cfg.run_dir for cfg in configs]
     summary = [rows[i] for i in range(n)]
     t_probe = time.time()
-    written = [probe_study(study, summary, jobs=jobs, every_first_seed=probe_every_first_seed)] if probe else []
+    written = [probe_study(study, jobs=jobs, every_first_seed=probe_every_first_seed)] if probe else []
     probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
