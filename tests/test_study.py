@@ -17,7 +17,7 @@ from proc import run_group
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.data.tokenized import codes_sha256
-from musiclm_stab.experiments.study import cli_main, run_study
+from musiclm_stab.experiments.study import cli_main, probed_already, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
@@ -254,6 +254,10 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
             yaml.safe_dump(cfg.to_dict(), sort_keys=False)), d
         run = read_run(d)
         assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
+        # the final study probes seed 0 of the figure lr and of the best cell, and checkpoints do not travel:
+        # every carried first-seed run of the four configurations carries the study's probe of its last step
+        if cfg.train.seed == 0 and not d.name.startswith(CONTROL):
+            assert probed_already(d) is not None, f"{d}: no probe/probe.json of the study's probe at its last step"
     n = len(dirs)
     assert f"{n} of the {len(planned)} runs trained" in (REPO / "docs" / "STUDY.md").read_text()
     assert f"{n} of {len(planned)} runs so far" in (REPO / "README.md").read_text()
