@@ -136,10 +136,14 @@ def probe_targets(study: Study, stats: list, every_first_seed: bool = False) -> 
         best = None
     if best is not None:
         dirs += [d for d in (Path(r.path) for r in best[3] if r.seed == first) if d not in dirs]
-    if every_first_seed:
-        rest = [run.config().run_dir for run in study.runs if run.stem in STUDY_RECIPES and run.seed == first]
-        dirs += [d for d in rest if d not in dirs]
-    return dirs
+    return _with_every_first_seed(study, dirs) if every_first_seed else dirs
+
+
+def _with_every_first_seed(study: Study, dirs: list[Path]) -> list[Path]:
+    """``dirs``, then the first seed of every other (configuration, lr) of the four configurations."""
+    rest = [run.config().run_dir for run in study.runs
+            if run.stem in STUDY_RECIPES and run.seed == study.seeds[0]]
+    return dirs + [d for d in rest if d not in dirs]
 
 
 def probe_study(study: Study, progress: bool = True, jobs: int = 1, every_first_seed: bool = False) -> Path:
@@ -160,7 +164,7 @@ def probe_study(study: Study, progress: bool = True, jobs: int = 1, every_first_
 
     stats = [run_stats(read_run(run.config().run_dir, "bits")) for run in study.runs]
     claimed = probe_targets(study, stats)
-    dirs = probe_targets(study, stats, every_first_seed)
+    dirs = _with_every_first_seed(study, claimed) if every_first_seed else claimed
     print(f"\n=== linear probes (pitch, against random init) of the first seed of each configuration at the "
           f"figure lr and of the best one{', and of every other cell' if every_first_seed else ''}: "
           f"{len(dirs)} runs", flush=True)
