@@ -194,11 +194,16 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     monkeypatch.setattr(subprocess, "Popen", no_launch)
     again = plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=2, extra=tiny, lrs=(1e-3,),
                        control=False)
+    resumed = f"{STUDY_RECIPES[0]}_gpu_lr1e-3_s0"  # as if finished by a launch that resumed it: named, since
+    record = timing["run_times"][resumed]  # its earlier launches are not in the summed cost
+    (root / resumed / "study_time.json").write_text(json.dumps({**record, "resumed": True}))
     run_study(again, jobs=2, formats=("png",))
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
     again_timing = json.loads((root / "figures" / "timing.json").read_text())  # nothing trained by this piece,
-    assert again_timing["run_wall_s"] == {} and again_timing["run_times"] == timing["run_times"]  # all timed
+    assert again_timing["run_wall_s"] == {} and again_timing["run_times"] == {  # all timed
+        **timing["run_times"], resumed: {**record, "resumed": True}}
+    assert timing["runs_resumed"] == [] and again_timing["runs_resumed"] == [resumed]
     # The codes the runs trained on are recorded beside them; a piece of the study on other codes is refused.
     record = json.loads((root / "data.json").read_text())
     assert record["codes_sha256"] == codes_sha256(tokenized_dataset)

@@ -368,6 +368,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     timing["run_times"] = every = run_times(run_dirs)
     timing["runs_timed"] = len(every)
     timing["run_wall_s_over_jobs"] = round(sum(r["wall_s"] / r["jobs"] for r in every.values()), 1)
+    # a resumed run's record is the launch that finished it: the launches before it are not in the sum
+    timing["runs_resumed"] = sorted(name for name, r in every.items() if r.get("resumed"))
     (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
           f"{train_cpu / 60:.1f} min CPU). Figures:")
