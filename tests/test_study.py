@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -204,6 +205,21 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     assert again_timing["run_wall_s"] == {} and again_timing["run_times"] == {  # all timed
         **timing["run_times"], resumed: {**record, "resumed": True}}
     assert timing["runs_resumed"] == [] and again_timing["runs_resumed"] == [resumed]
+    # An interrupted run is resumed from its newest intact checkpoint; with none, trained from the start.
+    partial = root / f"{STUDY_RECIPES[1]}_gpu_lr1e-3_s0"
+    metrics = (partial / "metrics.jsonl").read_text()
+    (partial / "metrics.jsonl").write_text("".join(
+        row for row in metrics.splitlines(keepends=True) if json.loads(row).get("step") != 2))
+    for ckpt, said in (("step_00000002", "resuming it from step 2"),
+                       (None, "no checkpoint in it: training it from the start")):
+        if ckpt is None:
+            shutil.rmtree(partial / "checkpoints")
+        else:
+            assert sorted(p.name for p in (partial / "checkpoints").iterdir()) == [ckpt]
+        with pytest.raises(AssertionError, match="launched again"):
+            run_study(again, jobs=1, formats=("png",))
+        assert f"config: {said})" in capsys.readouterr().out
+    (partial / "metrics.jsonl").write_text(metrics)
     # The codes the runs trained on are recorded beside them; a piece of the study on other codes is refused.
     record = json.loads((root / "data.json").read_text())
     assert record["codes_sha256"] == codes_sha256(tokenized_dataset)

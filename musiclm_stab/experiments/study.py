@@ -241,7 +241,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     written files. Progress: a banner per run; with ``jobs`` 1 the trainer's own output, else one log file
     per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
     wall time of each run and of the whole study, and the CPU time of the runs. Each finished run also
-    gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed),
+    gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed
+    from a checkpoint),
     which travels with the run; ``timing.json`` gathers these of every run of the study (``run_times``)
     and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
     pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
@@ -251,6 +252,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.analysis.lr_figure import save_lr_figure
     from musiclm_stab.analysis.plot import plot_runs, run_label
+    from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
 
     accelerate = accelerate or accelerate_executable()
     if jobs < 1:
@@ -288,10 +290,13 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
             print("(this run directory holds the finished run: not launched again)", flush=True)
             rows[i] = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
             return
-        resume = state != "new"
-        resumed[i] = resume
+        resume = state != "new"  # the trainer resumes from the newest intact checkpoint, if there is one
+        ckpt = newest_valid(cfg.run_dir) if resume else None
+        resumed[i] = ckpt is not None
         if resume:
-            print("(this run directory exists with the same config: resuming it)")
+            print("(this run directory exists with the same config: "
+                  + (f"resuming it from step {checkpoint_step(ckpt)})" if ckpt else "no checkpoint in it: "
+                     "training it from the start)"))
         cmd = run.command(accelerate, single_process=study.scale != "full", resume=resume)
         print(shlex.join(cmd), flush=True)
         if jobs == 1:
