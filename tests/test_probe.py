@@ -144,9 +144,10 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     from musiclm_stab.experiments.study import PROBE, probe_study
     from musiclm_stab.experiments.study_plan import plan_study
 
+    extra = ["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
+             "train.diagnostics_every=0"]
     study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, lrs=(1e-2,), control=False,
-                       extra=["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3",
-                              "train.eval_every=0", "train.diagnostics_every=0"])
+                       extra=extra)
     dirs = [train(run.config()) for run in study.runs]
     # no held-out loss (eval_every 0): no best cell beyond the figure lr's runs
     figure = probe_study(study, progress=False, jobs=2)  # two runs at a time, in spawned processes
@@ -169,6 +170,28 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
     figure.unlink()
     assert probe_study(study, progress=False, jobs=2) == figure and figure.is_file()
     assert {d: (d / "probe" / "probe.json").read_bytes() for d in probed} == before
+    # A study in pieces probes every cell's first seed, but probe.png draws only the claims' runs: here the
+    # figure lr's (1e-2, the grid's second lr), not the four at lr 3e-3 (copies of them, already probed).
+    import yaml
+    from matplotlib.image import imread
+
+    from musiclm_stab.analysis.probe_figure import save_probe_figure
+    from musiclm_stab.experiments.study import probed_already
+
+    wider = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, lrs=(3e-3, 1e-2),
+                       control=False, extra=extra)
+    for d in dirs:
+        copy = shutil.copytree(d, d.with_name(d.name.replace("_lr1e-2_", "_lr3e-3_")))
+        cfg = yaml.safe_load((copy / "config.yaml").read_text())
+        cfg["optim"]["lr"] = 3e-3
+        (copy / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert all(d.is_dir() for d in wider.run_dirs()) and len(wider.run_dirs()) == 16
+    claims_only = imread(figure).shape  # the four probes of the figure lr; wider draws to the same file
+    drawn = probe_study(wider, progress=False, every_first_seed=True)
+    assert drawn == figure and imread(drawn).shape == claims_only
+    every = [probed_already(d) for d in wider.run_dirs() if d.name.endswith("_s0")]
+    assert len(every) == 8 and all(every)  # all eight probes drawn would need more legend rows: taller
+    assert imread(save_probe_figure(every, tmp_path / "every.png")).shape[0] > claims_only[0]
     # a probe of another step is not the run's: probed again, which needs the checkpoint it no longer has
     result = json.loads(before[probed[0]])
     (probed[0] / "probe" / "probe.json").write_text(json.dumps({**result, "step": result["step"] - 1}))
