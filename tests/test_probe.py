@@ -204,6 +204,7 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
     reads (lr_grid.best_cell: the lowest mean final held-out cb0 over the seeds, a diverged seed at the cap)
     when that is another cell; the QK-norm control and cells outside complete blocks never make it."""
     import math
+    from dataclasses import replace
 
     from musiclm_stab.analysis.claim_stats import ROLES, Instability, RunStats
     from musiclm_stab.analysis.lr_grid import learns
@@ -248,6 +249,9 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
     gone = [s for s in stats((STUDY_RECIPES[2], 3e-3)) if not (s.lr == 3e-3 and s.role == "relax")]
     assert probe_targets(study, gone) == figure
     assert probe_targets(study, []) == figure  # nothing trained yet: no block, no best cell
+    twice = stats((STUDY_RECIPES[2], 3e-3))
+    with pytest.raises(ValueError, match="are both"):  # two runs in one block's role: an error, not "no block"
+        probe_targets(study, [*twice, replace(twice[0], path="elsewhere")])
     # a study in pieces probes the first seed of every cell, the claims' runs first, never the control
     every = probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)), every_first_seed=True)
     assert every[:5] == probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)))

@@ -84,9 +84,13 @@ class Blocks:
         return np.array([fn(self.complete[b][role]) for b in keys], dtype=np.float64)
 
 
+class NoCompleteBlock(ValueError):
+    """No (lr, seed) block holds a run of every configuration: nothing for the claims to compare."""
+
+
 def study_blocks(stats: Sequence[RunStats]) -> Blocks:
     """Sort runs into blocks (module docstring). Raises ValueError for two runs of one role in one block,
-    or when no block is complete (naming what each block lacks)."""
+    and NoCompleteBlock (a ValueError) when no block is complete (naming what each block lacks)."""
     seen: dict[Block, dict[str, RunStats]] = {}
     ignored = [s.path for s in stats if s.role is None]
     if ignored:
@@ -106,7 +110,7 @@ def study_blocks(stats: Sequence[RunStats]) -> Blocks:
     if not complete:
         lacks = "; ".join(f"lr {b[0]:g} seed {b[1]}: no {', '.join(r for r in ROLES if r not in have)}"
                           for b, have in incomplete.items()) or "no run has a role"
-        raise ValueError(f"no complete block (one run of each of {', '.join(ROLES)} at one lr and seed): "
+        raise NoCompleteBlock(f"no complete block (one run of each of {', '.join(ROLES)} at one lr and seed): "
                          f"{lacks}")
     control = {b: seen[b][CONTROL] for b in complete if CONTROL in seen[b]}
     return Blocks(complete, control, incomplete, ignored)

@@ -125,14 +125,14 @@ def probe_targets(study: Study, stats: list, every_first_seed: bool = False) -> 
     ``every_first_seed``: also the first seed of every other (configuration, lr), after those. A study
     trained in pieces on machines that do not keep checkpoints passes it, so that whichever cell turns
     out best at the end already carries its probe; the claims still read only the runs above."""
-    from musiclm_stab.analysis.claims import study_blocks, used_runs
+    from musiclm_stab.analysis.claims import NoCompleteBlock, study_blocks, used_runs
     from musiclm_stab.analysis.lr_grid import best_cell
 
     first = study.seeds[0]
     dirs = [run.config().run_dir for run in figure_runs(study) if run.seed == first]
     try:
         best = best_cell(used_runs(study_blocks(stats)))
-    except ValueError:  # no complete block: no "learns" check, no best cell
+    except NoCompleteBlock:  # no "learns" check, no best cell (two runs of one block's role still raise)
         best = None
     if best is not None:
         dirs += [d for d in (Path(r.path) for r in best[3] if r.seed == first) if d not in dirs]
