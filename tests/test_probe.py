@@ -136,7 +136,7 @@ def test_probe_scores_every_layer_and_baseline_deterministically(trained_run, re
             assert paired["ci95"][0] <= paired["diff"] <= paired["ci95"][1], (layer, task, paired)
 
 
-def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path):
+def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path, capsys):
     """`study --probe`'s step, two runs at a time: the pitch probes of seed 0 of each of the four
     configurations (not the other seeds), against random init at the one L2 penalty, their figure among the
     study's figures, and the claims table's probe column with one value per configuration."""
@@ -150,7 +150,10 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path)
                        extra=extra)
     dirs = [train(run.config()) for run in study.runs]
     # no held-out loss (eval_every 0): no best cell beyond the figure lr's runs
-    figure = probe_study(study, progress=False, jobs=2)  # two runs at a time, in spawned processes
+    figure = probe_study(study, jobs=2)  # two runs at a time, in spawned processes
+    shown = capsys.readouterr()  # one bar over the runs stands in for the workers' silenced bars
+    assert "probes (2 runs at a time): 100%" in shown.err and "4/4" in shown.err, shown.err
+    assert shown.out.count("probed ") == 4 and "4/4 done" in shown.out, shown.out
     assert figure == study.figures_dir / "probe.png" and figure.stat().st_size > 10_000
     probed = [d for d in dirs if (d / "probe" / "probe.json").is_file()]
     assert probed == [run.config().run_dir for run in study.runs if run.seed == 0] and len(probed) == 4

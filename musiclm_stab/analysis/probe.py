@@ -209,24 +209,33 @@ def probe_runs(run_dirs: Sequence[str | Path], jobs: int = 1, **kwargs) -> list[
     """``probe_run`` for each run (the study's entry point), in order; same keyword arguments.
 
     ``jobs`` > 1: that many runs at a time, each in a spawned process (the probes fit on one thread, so
-    two processes use two cores); their progress bars are off and a line is printed as each run ends."""
+    two processes use two cores). Their own progress bars are off; with ``progress`` one bar over the runs
+    stands in for them, its clock kept moving while they work, and a line is printed as each run ends."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if jobs == 1 or len(run_dirs) < 2:
         return [probe_run(r, **kwargs) for r in run_dirs]
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    shown = kwargs.get("progress", True)
     kwargs = {**kwargs, "progress": False}
     ctx = multiprocessing.get_context("spawn")  # torch has started threads here: no fork
-    with ProcessPoolExecutor(min(jobs, len(run_dirs)), mp_context=ctx) as pool:
+    results: list[dict | None] = [None] * len(run_dirs)
+    bar = tqdm(total=len(run_dirs), desc=f"probes ({min(jobs, len(run_dirs))} runs at a time)", unit="run",
+               disable=not shown)
+    with bar, ProcessPoolExecutor(min(jobs, len(run_dirs)), mp_context=ctx) as pool:
         futures = {pool.submit(probe_run, r, **kwargs): i for i, r in enumerate(run_dirs)}
-        results: list[dict | None] = [None] * len(run_dirs)
-        for f in as_completed(futures):
-            i = futures[f]
-            results[i] = f.result()
-            print(f"probed {run_dirs[i]} ({results[i]['seconds']['total']:.0f} s; "
-                  f"{sum(r is not None for r in results)}/{len(run_dirs)} done)", flush=True)
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
+            bar.refresh()  # the elapsed time moves on while the workers are silent
+            for f in finished:
+                i = futures[f]
+                results[i] = f.result()
+                bar.update()
+                bar.write(f"probed {run_dirs[i]} ({results[i]['seconds']['total']:.0f} s; "
+                          f"{sum(r is not None for r in results)}/{len(run_dirs)} done)")
     return results
 
 
