@@ -18,7 +18,7 @@ from proc import run_group
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.data.tokenized import codes_sha256
-from musiclm_stab.experiments.study import cli_main, probed_already, run_study
+from musiclm_stab.experiments.study import cli_main, machine, probed_already, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
@@ -184,7 +184,8 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     timing = json.loads((root / "figures" / "timing.json").read_text())
     assert sorted(timing["run_times"]) == sorted(timing["run_wall_s"]) == sorted(f"{s}_gpu_lr1e-3_s0" for s in STUDY_RECIPES)
     for name, record in timing["run_times"].items():
-        assert record == {"wall_s": timing["run_wall_s"][name], "jobs": 2, "threads_per_run": None, "resumed": False}
+        assert record == {"wall_s": timing["run_wall_s"][name], "jobs": 2, "threads_per_run": None, "resumed": False,
+                          "machine": machine()}
         assert json.loads((root / name / "study_time.json").read_text()) == record
     assert timing["run_wall_s_over_jobs"] == pytest.approx(sum(timing["run_wall_s"].values()) / 2, abs=0.2)
     assert "study exited with 0" in (out / "study_gpu.log").read_text()
@@ -231,6 +232,18 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     with pytest.raises(ConfigError, match="another config"):
         run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny, lrs=(1e-3,),
                              control=False))
+
+
+def test_machine_names_the_cpu_and_the_kernels_in_use():
+    """study_time.json's "machine": the CPU's name, the core count and torch's CPU kernel set, which
+    ATEN_CPU_CAPABILITY changes (and with it float32 results: a study in pieces must know where each run ran)."""
+    here = machine()
+    assert isinstance(here["cpu"], str) and here["cpu"] and here["cpu_count"] == os.cpu_count()
+    assert here["gpu"] is None or isinstance(here["gpu"], str)
+    code = "import json; from musiclm_stab.experiments.study import machine; print(json.dumps(machine()))"
+    there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}).stdout)
+    assert there == {**here, "cpu_capability": "DEFAULT"}
 
 
 def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):

@@ -195,6 +195,26 @@ def probed_already(run_dir: Path) -> dict | None:
 RUN_TIME_FILE = "study_time.json"
 
 
+def machine() -> dict:
+    """Where this process runs: the CPU's model name, torch's CPU kernel set (``ATEN_CPU_CAPABILITY``) and
+    the GPU, if any. Recorded in each run's study_time.json: wall times compare only on one machine, and
+    float32 results, the codes of a tokenizing among them, differ across CPU kernels."""
+    import torch
+
+    cpu = None
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+    except OSError:  # not Linux: platform's name below
+        pass
+    if not cpu:
+        import platform
+
+        cpu = platform.processor() or platform.machine() or "unknown"
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
 def run_times(run_dirs: list[Path]) -> dict[str, dict]:
     """Each run's RUN/study_time.json (the wall time of the launch that finished it, with the jobs beside it),
     by run name, for the runs that have one: a study run in pieces sums its cost from these."""
@@ -242,8 +262,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
     wall time of each run and of the whole study, and the CPU time of the runs. Each finished run also
     gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed
-    from a checkpoint),
-    which travels with the run; ``timing.json`` gathers these of every run of the study (``run_times``)
+    from a checkpoint, the ``machine``), which travels with the run; ``timing.json`` gathers these of every run of the study (``run_times``)
     and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
     pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
     before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
@@ -277,6 +296,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     rows: dict[int, dict] = {}
     walls: dict[str, float] = {}
     resumed: dict[int, bool] = {}
+    host = machine()
     logs = study.figures_dir.parent / "logs"
     pending = list(range(n))
     active: dict[int, tuple[subprocess.Popen, float, object]] = {}
@@ -321,7 +341,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         cfg = configs[i]
         rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram)
         walls[cfg.run_dir.name] = took = time.time() - started
-        record = {"wall_s": round(took, 1), "jobs": jobs, "threads_per_run": threads, "resumed": resumed[i]}
+        record = {"wall_s": round(took, 1), "jobs": jobs, "threads_per_run": threads, "resumed": resumed[i],
+                  "machine": host}
         (cfg.run_dir / RUN_TIME_FILE).write_text(json.dumps(record) + "\n")
         done = len(rows)
         left = (time.time() - t0) / len(walls) * (n - done)  # at the pace of the runs trained here
