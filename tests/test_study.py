@@ -13,12 +13,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 from proc import run_group
 
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.data.tokenized import codes_sha256
-from musiclm_stab.experiments.study import cli_main, machine, probed_already, run_study
+from musiclm_stab.experiments.study import carry_study, cli_main, machine, probed_already, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
@@ -189,6 +190,14 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
         assert json.loads((root / name / "study_time.json").read_text()) == record
     assert timing["run_wall_s_over_jobs"] == pytest.approx(sum(timing["run_wall_s"].values()) / 2, abs=0.2)
     assert "study exited with 0" in (out / "study_gpu.log").read_text()
+    # Carried to another machine without checkpoints (study --carry-to), the runs are read there, not trained.
+    assert cli_main(["--scale", "gpu", "--runs", str(tmp_path / "out" / "runs"),
+                     "--carry-to", str(tmp_path / "there" / "study_gpu")]) == 0
+    there = tmp_path / "there" / "study_gpu"
+    assert (there / "data.json").read_bytes() == (root / "data.json").read_bytes()
+    for name in timing["run_times"]:
+        assert sorted(p.name for p in (there / name).iterdir()) == sorted(
+            ["config.yaml", "metrics.jsonl", "tokenizer.json", "study_time.json"])
     # The same study again (an interrupted study is rerun this way): its finished runs are read, not launched.
     def no_launch(*args, **kwargs):
         raise AssertionError(f"a finished run was launched again: {args}")
@@ -232,6 +241,13 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     with pytest.raises(ConfigError, match="another config"):
         run_study(plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=3, extra=tiny, lrs=(1e-3,),
                              control=False))
+    # The carried runs, put where the study's --runs has them on the other machine: read, not trained.
+    shutil.rmtree(root)
+    shutil.copytree(there, root)
+    capsys.readouterr()
+    run_study(again, jobs=2, formats=("png",))
+    assert capsys.readouterr().out.count("not launched again") == 4
+    assert json.loads((root / "figures" / "summary.json").read_text()) == summary
 
 
 def test_machine_names_the_cpu_and_the_kernels_in_use():
@@ -244,6 +260,46 @@ def test_machine_names_the_cpu_and_the_kernels_in_use():
     there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                       env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}).stdout)
     assert there == {**here, "cpu_capability": "DEFAULT"}
+
+
+def test_carry_copies_finished_runs_without_checkpoints_and_refuses_a_mismatch(tmp_path, capsys):
+    """carry_study: the finished runs (with study_time.json) and their probe, not checkpoints or an unfinished
+    run; refused, with nothing copied, towards a study on other codes or over a run of another config."""
+    here, dest = tmp_path / "here", tmp_path / "dest"
+    for name, finished in (("a_s0", True), ("b_s0", True), ("c_s0", False)):
+        run = here / name
+        (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"train": {"name": name}}))
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run / "tokenizer.json").write_text("{}")
+        if finished:
+            (run / "study_time.json").write_text('{"wall_s": 1.0}')
+    (here / "a_s0" / "probe").mkdir()
+    (here / "a_s0" / "probe" / "probe.json").write_text("{}")
+    (here / "a_s0" / "probe" / "features.pt").write_text("cache")
+    with pytest.raises(ConfigError, match="no data.json"):
+        carry_study(here, dest)
+    (here / "data.json").write_text(json.dumps({"codes_sha256": "1" * 64}))
+    dest.mkdir()
+    (dest / "data.json").write_text(json.dumps({"codes_sha256": "2" * 64}))
+    with pytest.raises(ConfigError, match="other codes"):
+        carry_study(here, dest)
+    (dest / "data.json").unlink()
+    (dest / "b_s0").mkdir()
+    (dest / "b_s0" / "config.yaml").write_text(yaml.safe_dump({"train": {"name": "other"}}))
+    with pytest.raises(ConfigError, match="another config"):
+        carry_study(here, dest)
+    assert sorted(p.name for p in dest.rglob("*")) == ["b_s0", "config.yaml"]  # nothing copied
+    shutil.rmtree(dest / "b_s0")
+    assert carry_study(here, dest) == [dest / "a_s0", dest / "b_s0"]
+    assert "not finished, left: c_s0" in capsys.readouterr().out
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == sorted(
+        ["data.json", "a_s0/probe/probe.json", *(f"{r}/{f}" for r in ("a_s0", "b_s0") for f in
+                                                 ("config.yaml", "metrics.jsonl", "tokenizer.json", "study_time.json"))])
+    assert carry_study(here, dest) == [dest / "a_s0", dest / "b_s0"]  # again: the same runs, overwritten
+    (here / "b_s0" / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="lacks tokenizer.json"):
+        carry_study(here, dest)
 
 
 def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):

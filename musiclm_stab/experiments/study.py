@@ -39,11 +39,14 @@ import math
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+
+import yaml
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.experiments.launch import (
@@ -55,6 +58,7 @@ from musiclm_stab.experiments.launch import (
 )
 from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
+    DEFAULT_NAMES,
     ORDERS,
     SCALES,
     STUDY_DATA,
@@ -251,6 +255,50 @@ def check_study_data(folder: Path, data: str | Path) -> str:
     return sha
 
 
+CARRIED = ("config.yaml", "metrics.jsonl", "tokenizer.json", RUN_TIME_FILE)
+
+
+def carry_study(folder: Path, dest: Path) -> list[Path]:
+    """Copy the study's finished runs in ``folder`` to ``dest`` without their checkpoints, for another machine
+    to go on with the study (docs/STUDY.md, "In pieces"): each run's ``CARRIED`` files and its probe
+    (probe/probe.json), and the codes record data.json. A finished run is one the study wrote
+    RUN/study_time.json for (trained to its last step, or diverged); the others are left and named. Refused
+    (ConfigError), before anything is copied: a ``folder`` without data.json, a ``dest`` whose data.json
+    records other codes, a run at ``dest`` of the same name with another config, a finished run lacking a
+    file. Returns the run directories written at ``dest``."""
+    record = folder / DATA_RECORD
+    if not record.is_file():
+        raise ConfigError(f"{folder} has no {DATA_RECORD}: not the folder of a study whose runs were trained")
+    sha = json.loads(record.read_text()).get("codes_sha256")
+    there = dest / DATA_RECORD
+    if there.is_file() and json.loads(there.read_text()).get("codes_sha256") != sha:
+        raise ConfigError(f"{there} records codes sha256 {json.loads(there.read_text()).get('codes_sha256')}, "
+                          f"but the runs of {folder} trained on {sha}: runs on other codes do not join that study")
+    runs = sorted(d for d in folder.iterdir() if (d / "config.yaml").is_file())
+    finished = [d for d in runs if (d / RUN_TIME_FILE).is_file()]
+    for d in finished:
+        missing = [name for name in CARRIED if not (d / name).is_file()]
+        if missing:
+            raise ConfigError(f"{d} is finished but lacks {', '.join(missing)}")
+        other = dest / d.name / "config.yaml"
+        if other.is_file() and yaml.safe_load(other.read_text()) != yaml.safe_load((d / "config.yaml").read_text()):
+            raise ConfigError(f"{other.parent} holds a run with another config than {d}: not overwritten")
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(record, there)
+    for d in finished:
+        (dest / d.name).mkdir(exist_ok=True)
+        for name in CARRIED:
+            shutil.copyfile(d / name, dest / d.name / name)
+        probe = d / "probe" / "probe.json"
+        if probe.is_file():
+            (dest / d.name / "probe").mkdir(exist_ok=True)
+            shutil.copyfile(probe, dest / d.name / "probe" / "probe.json")
+    left = [d.name for d in runs if d not in finished]
+    print(f"carried {len(finished)} finished runs of {folder} and its {DATA_RECORD} to {dest}"
+          + (f"; not finished, left: {', '.join(left)}" if left else ""))
+    return [dest / d.name for d in finished]
+
+
 def run_study(study: Study, accelerate: str | None = None, threads: int | None = None, jobs: int = 1,
               formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False,
               probe_every_first_seed: bool = False) -> list[Path]:
@@ -438,6 +486,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                         "study in pieces whose checkpoints do not travel, so the best cell, known at the end, has its probe")
     p.add_argument("--runs", default="runs", help="folder for run directories (default: runs)")
     p.add_argument("--name", help="cpu/gpu scale: the study's folder under --runs (default study_cpu / study_gpu)")
+    p.add_argument("--carry-to", metavar="DEST",
+                   help="train nothing: copy the study's finished runs without their checkpoints (config, metrics, "
+                        "tokenizer record, study_time.json, probe) and its data.json to DEST, for another machine")
     add_job_options(p, "; cpu scale only")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -449,6 +500,15 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.probe_every_first_seed and not args.probe:
         p.error("--probe-every-first-seed needs --probe")
 
+    if args.carry_to is not None:
+        if args.scale == "full":
+            p.error("--carry-to: the cpu and gpu scales' studies only")
+        try:
+            carry_study(Path(args.runs) / (args.name or DEFAULT_NAMES[args.scale]), Path(args.carry_to))
+        except ConfigError as e:
+            print(f"musiclm-stab study: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     data = args.data
     if data is None and args.scale != "full":
         preset, tracks = STUDY_DATA[args.scale]
