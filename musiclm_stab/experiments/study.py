@@ -310,8 +310,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     per run; after each run its final numbers and an estimate of the time left. ``timing.json`` records the
     wall time of each run and of the whole study, and the CPU time of the runs. Each finished run also
     gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed
-    from a checkpoint, the ``machine``), which travels with the run; ``timing.json`` gathers these of every run of the study (``run_times``)
-    and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
+    from a checkpoint, the ``machine``), which travels with the run; ``timing.json`` gathers these of every
+    run of the study (``run_times``) and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
     pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
     before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
     needs the corpus's labels.jsonl. ``probe_every_first_seed``: the probes' ``every_first_seed``.
