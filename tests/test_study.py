@@ -234,8 +234,9 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     record = json.loads((root / "data.json").read_text())
     assert record["codes_sha256"] == codes_sha256(tokenized_dataset)
     (root / "data.json").write_text(json.dumps({**record, "codes_sha256": "0" * 64}))
-    with pytest.raises(ConfigError, match="codes sha256"):
+    with pytest.raises(ConfigError, match="codes sha256") as refused:
         run_study(again, jobs=2, formats=("png",))
+    assert f"this one: {machine()['cpu']}, {machine()['cpu_capability']} kernels" in str(refused.value)
     (root / "data.json").write_text(json.dumps(record))
     # Same directories, another config: refused before anything is launched.
     with pytest.raises(ConfigError, match="another config"):

@@ -244,10 +244,13 @@ def check_study_data(folder: Path, data: str | Path) -> str:
     if record.is_file():
         earlier = json.loads(record.read_text())
         if earlier.get("codes_sha256") != sha:
+            here = machine()
             raise ConfigError(
                 f"{data} has codes sha256 {sha}, but the runs of {folder} were trained on codes with sha256 "
                 f"{earlier.get('codes_sha256')} ({earlier.get('data')}, {record}): tokenize the same corpus with "
-                f"the same weights, or give this study another --runs / --name"
+                f"the same weights, or give this study another --runs / --name. The same corpus and weights can "
+                f"tokenize to other codes on another CPU (float32; this one: {here['cpu']}, {here['cpu_capability']} "
+                f"kernels): see docs/TOKENIZING.md and docs/STUDY.md, 'In pieces'"
             )
         return sha
     folder.mkdir(parents=True, exist_ok=True)
