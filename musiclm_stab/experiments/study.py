@@ -274,9 +274,10 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
         raise ConfigError(f"{folder} has no {DATA_RECORD}: not the folder of a study whose runs were trained")
     sha = json.loads(record.read_text()).get("codes_sha256")
     there = dest / DATA_RECORD
-    if there.is_file() and json.loads(there.read_text()).get("codes_sha256") != sha:
-        raise ConfigError(f"{there} records codes sha256 {json.loads(there.read_text()).get('codes_sha256')}, "
-                          f"but the runs of {folder} trained on {sha}: runs on other codes do not join that study")
+    theirs = json.loads(there.read_text()).get("codes_sha256") if there.is_file() else sha
+    if theirs != sha:
+        raise ConfigError(f"{there} records codes sha256 {theirs}, but the runs of {folder} trained on {sha}: "
+                          "runs on other codes do not join that study")
     runs = sorted(d for d in folder.iterdir() if (d / "config.yaml").is_file())
     finished = [d for d in runs if (d / RUN_TIME_FILE).is_file()]
     for d in finished:
