@@ -87,6 +87,60 @@ def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: P
     return out
 
 
+def write_codes_file(saved: dict, path: Path, change: Callable[[dict, dict], None]) -> None:
+    """A codes file (`musiclm-stab codes save`) like ``saved`` (read_codes' dict), its arrays and header changed
+    in place by ``change(arrays, header)``."""
+    import io
+    import json
+    import lzma
+
+    arrays = {k: np.array(saved[k]) for k in ("id", "track", "shape", "codes")}
+    header = dict(saved["header"])
+    change(arrays, header)
+    buf = io.BytesIO()
+    np.savez(buf, header=np.array(json.dumps(header)), **arrays)
+    path.write_bytes(lzma.compress(buf.getvalue()))
+
+
+@pytest.fixture
+def codes_file_writer() -> Callable[[dict, Path, Callable[[dict, dict], None]], None]:
+    """write_codes_file, for tests that make codes files that do not fit."""
+    return write_codes_file
+
+
+@pytest.fixture
+def other_machine_tokens(tokenized_dataset: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(codes file of ``tokenized_dataset``, a copy of it whose codes differ in 3 places in 2 rows), as another
+    CPU's tokenizing of the same audio would differ. The copy is made by restoring an edited codes file whose
+    header names another sha256, which the restore refuses after writing (its last check)."""
+    import shutil
+
+    from musiclm_stab.data.codes_file import read_codes, restore_codes, save_codes
+
+    original = tmp_path / "original.npz.xz"
+    save_codes(tokenized_dataset, original)
+    saved = read_codes(original)
+    other = tmp_path / "other_machine"
+    shutil.copytree(tokenized_dataset, other)
+    starts = np.r_[0, np.cumsum(np.prod(saved["shape"], axis=1))[:-1]]
+
+    def flip(arrays: dict, header: dict) -> None:
+        for row, k, t in ((0, 0, 0), (3, 2, 5), (3, 7, 1)):  # (row, codebook, frame)
+            i = starts[row] + k * saved["shape"][row][1] + t
+            arrays["codes"][i] = (arrays["codes"][i] + 1) % 1024
+        header["codes_sha256"] = "0" * 64  # not these codes' sha: the restore writes them, then refuses
+
+    edited = tmp_path / "edited.npz.xz"
+    write_codes_file(saved, edited, flip)
+    try:
+        restore_codes(other, edited)
+    except RuntimeError as e:
+        assert "after restoring" in str(e)
+    else:
+        raise AssertionError("a codes file whose header names other codes was restored without complaint")
+    return original, other
+
+
 @pytest.fixture
 def fresh_accelerate_state():
     """accelerate keeps process-wide singletons; reset them around a test that builds Trainers in-process."""

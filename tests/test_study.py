@@ -18,8 +18,9 @@ from proc import run_group
 
 from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
+from musiclm_stab.data.codes_file import read_codes
 from musiclm_stab.data.tokenized import codes_sha256
-from musiclm_stab.experiments.study import carry_study, cli_main, machine, probed_already, run_study
+from musiclm_stab.experiments.study import carry_study, cli_main, probed_already, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
@@ -33,6 +34,7 @@ from musiclm_stab.experiments.study_plan import (
     plan_study,
     recipe_path,
 )
+from musiclm_stab.host import machine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -257,7 +259,7 @@ def test_machine_names_the_cpu_and_the_kernels_in_use():
     here = machine()
     assert isinstance(here["cpu"], str) and here["cpu"] and here["cpu_count"] == os.cpu_count()
     assert here["gpu"] is None or isinstance(here["gpu"], str)
-    code = "import json; from musiclm_stab.experiments.study import machine; print(json.dumps(machine()))"
+    code = "import json; from musiclm_stab.host import machine; print(json.dumps(machine()))"
     there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                       env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}).stdout)
     assert there == {**here, "cpu_capability": "DEFAULT"}
@@ -301,6 +303,34 @@ def test_carry_copies_finished_runs_without_checkpoints_and_refuses_a_mismatch(t
     (here / "b_s0" / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="lacks tokenizer.json"):
         carry_study(here, dest)
+
+
+def test_study_codes_restores_the_recorded_codes_before_training(other_machine_tokens, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A piece of a study on a machine whose tokenizing gave other codes is refused, naming --codes; with
+    --codes FILE (saved where the study's codes were made) the data gets those codes and the study goes on."""
+    from musiclm_stab.experiments import study as study_module
+
+    original, other = other_machine_tokens
+    runs = tmp_path / "runs"
+    (runs / "s").mkdir(parents=True)
+    want = read_codes(original)["header"]["codes_sha256"]
+    (runs / "s" / "data.json").write_text(json.dumps({"data": "elsewhere", "codes_sha256": want}))
+    argv = ["--scale", "gpu", "--runs", str(runs), "--name", "s", "--data", str(other), "--lrs", "1e-3",
+            "--no-control", "--set", "model.size=tiny"]
+    assert cli_main(argv) == 2  # the real run_study: refused before training anything
+    err = capsys.readouterr().err
+    assert f"{other} has codes sha256 {codes_sha256(other)}" in err and "--codes FILE" in err
+    assert not (runs / "s" / "figures").exists()
+    called = []
+    monkeypatch.setattr(study_module, "run_study", lambda study, **kw: called.append(codes_sha256(other)))
+    assert cli_main([*argv, "--codes", str(tmp_path / "nowhere.npz.xz")]) == 2
+    assert "nowhere.npz.xz" in capsys.readouterr().err and not called
+    assert cli_main([*argv, "--codes", str(original)]) == 0
+    assert "3 of " in capsys.readouterr().out and called == [want]
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--codes", str(original), "--print-only"])
+    assert "not with --print-only" in capsys.readouterr().err
 
 
 def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):

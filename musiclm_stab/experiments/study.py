@@ -69,6 +69,7 @@ from musiclm_stab.experiments.study_plan import (
     plan_study,
     plot_command,
 )
+from musiclm_stab.host import machine
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 
 
@@ -199,26 +200,6 @@ def probed_already(run_dir: Path) -> dict | None:
 RUN_TIME_FILE = "study_time.json"
 
 
-def machine() -> dict:
-    """Where this process runs: the CPU's model name, torch's CPU kernel set (``ATEN_CPU_CAPABILITY``) and
-    the GPU, if any. Recorded in each run's study_time.json: wall times compare only on one machine, and
-    float32 results, the codes of a tokenizing among them, differ across CPU kernels."""
-    import torch
-
-    cpu = None
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), None)
-    except OSError:  # not Linux: platform's name below
-        pass
-    if not cpu:
-        import platform
-
-        cpu = platform.processor() or platform.machine() or "unknown"
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
 def run_times(run_dirs: list[Path]) -> dict[str, dict]:
     """Each run's RUN/study_time.json (the wall time of the launch that finished it, with the jobs beside it),
     by run name, for the runs that have one: a study run in pieces sums its cost from these."""
@@ -250,7 +231,8 @@ def check_study_data(folder: Path, data: str | Path) -> str:
                 f"{earlier.get('codes_sha256')} ({earlier.get('data')}, {record}): tokenize the same corpus with "
                 f"the same weights, or give this study another --runs / --name. The same corpus and weights can "
                 f"tokenize to other codes on another CPU (float32; this one: {here['cpu']}, {here['cpu_capability']} "
-                f"kernels): see docs/TOKENIZING.md and docs/STUDY.md, 'In pieces'"
+                f"kernels): then put the study's codes into this tokenizing with --codes FILE (a file made by "
+                f"`musiclm-stab codes save` where they were made); see docs/STUDY.md, 'In pieces'"
             )
         return sha
     folder.mkdir(parents=True, exist_ok=True)
@@ -493,6 +475,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--carry-to", metavar="DEST",
                    help="train nothing: copy the study's finished runs without their checkpoints (config, metrics, "
                         "tokenizer record, study_time.json, probe) and its data.json to DEST, for another machine")
+    p.add_argument("--codes", metavar="FILE",
+                   help="before training, put the codes of FILE (`musiclm-stab codes save`) into the study's tokenized "
+                        "data (same corpus and weights, tokenized on this machine): for runs of one study trained on "
+                        "machines whose float32 tokenizing gives other codes")
     add_job_options(p, "; cpu scale only")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -503,6 +489,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--jobs must be >= 1")
     if args.probe_every_first_seed and not args.probe:
         p.error("--probe-every-first-seed needs --probe")
+    if args.codes and (args.print_only or args.carry_to is not None):
+        p.error("--codes restores codes before training: not with --print-only (run `musiclm-stab codes restore "
+                "DATA FILE` before the launch lines) or --carry-to")
 
     if args.carry_to is not None:
         if args.scale == "full":
@@ -518,6 +507,14 @@ def cli_main(argv: list[str] | None = None) -> int:
         preset, tracks = STUDY_DATA[args.scale]
         data = str(default_data(args.work, tracks, preset) if not args.print_only else
                    Path(args.work) / f"{data_name(tracks, preset)}_tokens")
+    if args.codes:
+        from musiclm_stab.data.codes_file import describe, restore_codes
+
+        try:
+            print(f"{data}: {describe(restore_codes(data, args.codes))} ({args.codes})", flush=True)
+        except (ValueError, FileNotFoundError) as e:  # a codes file that is missing, broken or does not fit
+            print(f"musiclm-stab study: error: {e}", file=sys.stderr)
+            return 2
     try:
         study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order,
                            lrs=None if args.lrs is None else tuple(args.lrs), first_seed=args.first_seed,
