@@ -8,7 +8,7 @@
 #   bash benchmarks/study_gpu.sh OUT [musiclm-stab study options ...]
 #
 # OUT gets study_gpu.tar.gz (figures, claims.md/json, summary.json, timing.json, the codes record data.json,
-# every run's config.yaml, metrics.jsonl, tokenizer.json, study_time.json and probe/: what the study needs
+# every run's config.yaml, metrics.jsonl, tokenizer.json, study_time.json and probe/probe.json: what the study needs
 # to read the runs again elsewhere) and study_gpu.log (everything printed, with the time of each stage). Options after
 # OUT go to `musiclm-stab study --scale gpu` (e.g. --steps 600 --seeds 2 --jobs 2, or --data TOKENS to skip
 # the data preparation). Environment: PYTHON (default python3); STUDY_ALLOW_CPU=1 runs without a GPU
@@ -57,7 +57,8 @@ STUDY_DIR="$OUT/runs/study_gpu"
 for arg in "$@"; do case "$arg" in --name=*) STUDY_DIR="$OUT/runs/${arg#--name=}";; esac; done
 if [ -d "$STUDY_DIR" ]; then
     (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' figures \
-        $(ls -d */config.yaml */metrics.jsonl */tokenizer.json */study_time.json */probe data.json logs 2>/dev/null))
+        $(ls -d */config.yaml */metrics.jsonl */tokenizer.json */study_time.json */probe/probe.json data.json logs \
+            2>/dev/null))  # probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
     stamp "results: $OUT/study_gpu.tar.gz ($(du -h "$OUT/study_gpu.tar.gz" | cut -f1))"
 fi
 exit "$STATUS"
