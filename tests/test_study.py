@@ -326,6 +326,11 @@ def test_study_codes_restores_the_recorded_codes_before_training(other_machine_t
     monkeypatch.setattr(study_module, "run_study", lambda study, **kw: called.append(codes_sha256(other)))
     assert cli_main([*argv, "--codes", str(tmp_path / "nowhere.npz.xz")]) == 2
     assert "nowhere.npz.xz" in capsys.readouterr().err and not called
+    broken = tmp_path / "broken.npz.xz"
+    broken.write_bytes(b"\xfd7zXZ\x00 cut short")
+    assert cli_main(["--runs", str(runs), "--work", str(tmp_path / "w"), "--codes", str(broken)]) == 2
+    assert f"{broken} is not a codes file" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # said before the data preparation, not after it
     assert cli_main([*argv, "--codes", str(original)]) == 0
     assert "3 of " in capsys.readouterr().out and called == [want]
     with pytest.raises(SystemExit):

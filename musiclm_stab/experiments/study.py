@@ -492,6 +492,16 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.codes and (args.print_only or args.carry_to is not None):
         p.error("--codes restores codes before training: not with --print-only (run `musiclm-stab codes restore "
                 "DATA FILE` before the launch lines) or --carry-to")
+    if args.codes and args.scale == "full" and args.data is None:
+        p.error("--codes needs the data it goes into: --data TOKENS")
+    if args.codes:  # a missing or broken file is said now, not after the data preparation (~26 min at cpu scale)
+        from musiclm_stab.data.codes_file import read_codes
+
+        try:
+            read_codes(args.codes)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"musiclm-stab study: error: {e}", file=sys.stderr)
+            return 2
 
     if args.carry_to is not None:
         if args.scale == "full":
