@@ -33,6 +33,7 @@ def test_save_restore_round_trip(tokenized_dataset, other_machine_tokens, capsys
     record = info["codes_restored"]
     assert record["codes_sha256"] == want and record["codes_sha256_made_here"] == made_here
     assert (record["codes_changed"], record["rows_changed"]) == (3, 2)
+    assert record["codes_changed_per_codebook"] == [1, 0, 1, 0, 0, 0, 0, 1]  # the flips: codebooks 0, 2 and 7
     assert info["codebook_usage"] == ref_info["codebook_usage"]
 
     again = restore_codes(other, original)  # idempotent: nothing to write

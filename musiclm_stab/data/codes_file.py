@@ -138,8 +138,8 @@ def _nested(values: np.ndarray, shapes: np.ndarray, type_: pa.DataType) -> pa.Ar
 
 def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
     """Put the codes of codes file ``path`` into ``dataset`` (in place); returns what was done:
-    ``codes_sha256``, ``rows_changed``, ``codes_changed``, ``num_codes``, and ``already`` (True when the
-    dataset held those codes, and nothing was written).
+    ``codes_sha256``, ``rows_changed``, ``codes_changed`` (also ``codes_changed_per_codebook``), ``num_codes``,
+    and ``already`` (True when the dataset held those codes, and nothing was written).
 
     Refuses (CodesMismatch, nothing written) unless the dataset has the file's rows (ids, tracks, codes
     shapes, in order) and tokenizer identity (weights sha256, rates, codebooks). Each data file is written
@@ -154,9 +154,19 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
     before = codes_sha256(dataset)
     changed = values != saved["codes"]
     row_ends = np.cumsum(np.prod(shapes, axis=1))
-    rows_changed = int(np.count_nonzero(np.add.reduceat(changed, np.r_[0, row_ends[:-1]]))) if len(shapes) else 0
+    levels = int(shapes[:, 0].max()) if len(shapes) else 0
+    counts = np.zeros((levels, int(info.get("codebook_size") or 1024)), np.int64)  # of the restored codes
+    per_level = np.zeros(levels, np.int64)  # codes that differ, per codebook
+    rows_changed = 0
+    for (k, t), lo, hi in zip(shapes, np.r_[0, row_ends[:-1]], row_ends):
+        codes, diff = saved["codes"][lo:hi].reshape(k, t), changed[lo:hi].reshape(k, t)
+        rows_changed += bool(diff.any())
+        per_level[:k] += diff.sum(axis=1)
+        for level in range(k):
+            counts[level] += np.bincount(codes[level], minlength=counts.shape[1])
     result = {"codes_sha256": want, "rows_changed": rows_changed, "codes_changed": int(changed.sum()),
-              "num_codes": int(values.size), "already": before == want}
+              "codes_changed_per_codebook": per_level.tolist(), "num_codes": int(values.size),
+              "already": before == want}
     if before == want:
         return result
     row, folders = 0, set()
@@ -181,15 +191,10 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
     after = codes_sha256(dataset)
     if after != want:
         raise RuntimeError(f"{dataset}: codes sha256 {after} after restoring {path}, which records {want}")
-    counts = np.zeros((int(shapes[0, 0]) if len(shapes) else 0, int(info.get("codebook_size") or 1024)), np.int64)
-    for (k, t), lo, hi in zip(shapes, np.r_[0, row_ends[:-1]], row_ends):
-        codes = saved["codes"][lo:hi].reshape(k, t)
-        for level in range(k):
-            counts[level] += np.bincount(codes[level], minlength=counts.shape[1])
     meta = read_info(dataset)
-    meta[RESTORED_KEY] = {"file": str(path), "codes_sha256": want, "codes_sha256_made_here": before,
-                          "rows_changed": rows_changed, "codes_changed": result["codes_changed"],
-                          "num_codes": result["num_codes"], "saved_on": saved["header"].get("saved_on"),
+    meta[RESTORED_KEY] = {"file": str(path), "codes_sha256_made_here": before,
+                          **{k: v for k, v in result.items() if k != "already"},
+                          "saved_on": saved["header"].get("saved_on"),
                           "restored_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     meta["codebook_usage"] = codebook_usage(counts)
     tmp = dataset / (METADATA_FILE + ".tmp")
