@@ -19,6 +19,7 @@ def test_save_restore_round_trip(tokenized_dataset, other_machine_tokens, capsys
     assert made_here != want
     header = read_codes(original)["header"]
     assert header["codes_sha256"] == want and header["num_rows"] == 6 and header["saved_on"]["cpu"]
+    assert header["restored"] is None
     pcm_before = load_tokenized(other)[0]["pcm"]
 
     assert cli_main(["restore", str(other), str(original)]) == 0
@@ -38,6 +39,8 @@ def test_save_restore_round_trip(tokenized_dataset, other_machine_tokens, capsys
 
     again = restore_codes(other, original)  # idempotent: nothing to write
     assert again["already"] and again["codes_changed"] == 0
+    resaved = save_codes(other, other.parent / "resaved.npz.xz")  # saved again, the file says they were restored
+    assert resaved["codes_sha256"] == want and resaved["restored"]["codes_sha256_made_here"] == made_here
 
 
 def test_restore_refuses_another_corpus_or_tokenizer(tokenized_dataset, tmp_path, codes_file_writer):

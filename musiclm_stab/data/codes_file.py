@@ -75,7 +75,8 @@ def save_codes(dataset: str | Path, out: str | Path) -> dict[str, Any]:
         "tokenizer": {k: info.get(k) for k in IDENTITY_KEYS},
         "source": str(dataset),
         "tokenized_at": info.get("created_at"),
-        "saved_on": machine(),
+        "saved_on": machine(),  # where the codes were made, unless the dataset had them restored:
+        "restored": info.get(RESTORED_KEY),  # then its record of the restore
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     buffer = io.BytesIO()
