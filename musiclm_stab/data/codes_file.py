@@ -34,6 +34,7 @@ from musiclm_stab.data.tokenized import (
     codes_sha256,
     load_tokenized,
     read_info,
+    sha256_of_codes,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.host import machine
@@ -46,30 +47,30 @@ class CodesMismatch(ValueError):
     """A codes file does not fit a dataset: other rows, shapes or tokenizer."""
 
 
-def _columns(dataset: Path) -> tuple[dict[str, Any], list[str], list[str], np.ndarray, np.ndarray]:
-    """(tokenizer info, ids, tracks, shapes [N, 2], codes of every row flattened in order) of a dataset."""
+def _columns(dataset: Path) -> tuple[dict[str, Any], list[str], list[str], np.ndarray, np.ndarray, str]:
+    """(tokenizer info, ids, tracks, shapes [N, 2], codes of every row flattened in order, their
+    ``codes_sha256``) of a dataset, in one read of its codes."""
     hf, info = load_tokenized(dataset)
     rows = hf.select_columns(["id", "track", "codes"]).with_format("numpy")
-    ids, tracks, shapes, flat = [], [], [], []
+    ids, tracks, per_row = [], [], []
     for i in range(0, len(rows), 256):
         batch = rows[i : i + 256]
         for rid, track, codes in zip(batch["id"], batch["track"], batch["codes"]):
-            codes = np.asarray(codes, dtype=np.int16)
             ids.append(str(rid))
             tracks.append(str(track))
-            shapes.append(codes.shape)
-            flat.append(codes.reshape(-1))
-    values = np.concatenate(flat) if flat else np.zeros(0, np.int16)
-    return info, ids, tracks, np.asarray(shapes, dtype=np.int64).reshape(-1, 2), values
+            per_row.append(np.asarray(codes, dtype=np.int16))
+    shapes = np.asarray([c.shape for c in per_row], dtype=np.int64).reshape(-1, 2)
+    values = np.concatenate([c.reshape(-1) for c in per_row]) if per_row else np.zeros(0, np.int16)
+    return info, ids, tracks, shapes, values, sha256_of_codes(zip(tracks, per_row))
 
 
 def save_codes(dataset: str | Path, out: str | Path) -> dict[str, Any]:
     """Write ``dataset``'s codes to ``out`` (xz-compressed .npz); returns the file's header."""
     dataset, out = Path(dataset), Path(out)
-    info, ids, tracks, shapes, values = _columns(dataset)
+    info, ids, tracks, shapes, values, sha = _columns(dataset)
     header = {
         "format": FORMAT,
-        "codes_sha256": codes_sha256(dataset),
+        "codes_sha256": sha,
         "num_rows": len(ids),
         "num_codes": int(values.size),
         "tokenizer": {k: info.get(k) for k in IDENTITY_KEYS},
@@ -150,9 +151,8 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
     dataset, path = Path(dataset), Path(path)
     saved = read_codes(path)
     want = saved["header"]["codes_sha256"]
-    info, ids, tracks, shapes, values = _columns(dataset)
+    info, ids, tracks, shapes, values, before = _columns(dataset)
     _check_fits(dataset, path, saved, info, ids, tracks, shapes)
-    before = codes_sha256(dataset)
     changed = values != saved["codes"]
     row_ends = np.cumsum(np.prod(shapes, axis=1))
     levels = int(shapes[:, 0].max()) if len(shapes) else 0
@@ -189,7 +189,7 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
         folders.add(file.parent)
     for folder in folders:
         fsync_dir(folder)
-    after = codes_sha256(dataset)
+    after = codes_sha256(dataset)  # read back from the files written
     if after != want:
         raise RuntimeError(f"{dataset}: codes sha256 {after} after restoring {path}, which records {want}")
     meta = read_info(dataset)

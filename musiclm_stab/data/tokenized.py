@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -280,13 +280,17 @@ def codes_sha256(path: str | Path | Sequence[str | Path]) -> str:
     study carried between machines checks it (experiments/study.py)."""
     hf, _ = load_tokenized(path)
     rows = hf.select_columns(["track", "codes"]).with_format("numpy")
+    return sha256_of_codes(pair for i in range(0, len(rows), 256)
+                           for pair in zip(rows[i : i + 256]["track"], rows[i : i + 256]["codes"]))
+
+
+def sha256_of_codes(rows: Iterable[tuple[str, Any]]) -> str:
+    """``codes_sha256`` of rows given as (track, codes [K, T]) in the dataset's order."""
     digest = hashlib.sha256()
-    for i in range(0, len(rows), 256):
-        batch = rows[i : i + 256]
-        for track, codes in zip(batch["track"], batch["codes"]):
-            codes = np.asarray(codes, dtype="<i2")
-            digest.update(f"{track}\0{'x'.join(map(str, codes.shape))}\0".encode())
-            digest.update(codes.tobytes())
+    for track, codes in rows:
+        codes = np.asarray(codes, dtype="<i2")
+        digest.update(f"{track}\0{'x'.join(map(str, codes.shape))}\0".encode())
+        digest.update(codes.tobytes())
     return digest.hexdigest()
 
 
