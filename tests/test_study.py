@@ -387,3 +387,25 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
     n = len(dirs)
     assert f"{n} of the {len(planned)} runs trained" in (REPO / "docs" / "STUDY.md").read_text()
     assert f"{n} of {len(planned)} runs so far" in (REPO / "README.md").read_text()
+
+
+def test_the_committed_study_codes_are_those_the_study_goes_on_with():
+    """data/study_cpu_codes.npz.xz (what `study --codes` puts into a machine's tokenizing) holds the codes
+    docs/study_cpu/runs/data.json says the study's runs train on, and its arrays hash to them; the runs
+    trained before the declared switch are carried ones, under the earlier codes."""
+    import numpy as np
+
+    from musiclm_stab.data.tokenized import sha256_of_codes
+    from musiclm_stab.experiments.study_codes import codes_of_runs
+
+    record = json.loads((REPO / "docs" / "study_cpu" / "runs" / "data.json").read_text())
+    saved = read_codes(REPO / "data" / "study_cpu_codes.npz.xz")
+    assert saved["header"]["codes_sha256"] == record["codes_sha256"]
+    ends = np.cumsum(np.prod(saved["shape"], axis=1))
+    rows = ((track, saved["codes"][lo:hi].reshape(shape)) for track, shape, lo, hi in
+            zip(saved["track"], saved["shape"], np.r_[0, ends[:-1]], ends))
+    assert sha256_of_codes(rows) == record["codes_sha256"]
+    carried = {d.name for d in (REPO / "docs" / "study_cpu" / "runs").iterdir() if d.is_dir()}
+    earlier = [name for e in record.get("earlier_codes", []) for name in e["runs"]]
+    assert set(earlier) <= carried and len(earlier) == len(set(earlier))
+    assert all(sha != record["codes_sha256"] for sha in codes_of_runs(record, earlier).values())

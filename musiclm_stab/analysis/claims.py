@@ -58,11 +58,13 @@ from musiclm_stab.analysis.claim_stats import (
 from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
 from musiclm_stab.analysis.lr_grid import grid_markdown, summarise_grid
 from musiclm_stab.analysis.runs import RunMetrics, read_run
+from musiclm_stab.experiments.study_codes import codes_of_runs, read_record
 from musiclm_stab.experiments.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
-           "analyse", "claims_of", "cli_main", "control_of", "fill_doc", "find_run_dirs", "markdown",
-           "probe_score", "role_of", "study_blocks", "to_json", "used_runs", "write_claims"]
+           "analyse", "claims_of", "cli_main", "codes_lines", "codes_of_blocks", "control_of", "fill_doc",
+           "find_run_dirs", "markdown", "probe_score", "role_of", "run_codes", "study_blocks", "to_json",
+           "used_runs", "write_claims"]
 
 CLIP_SHARE_MIN = 0.2
 MIN_BLOCKS = 6
@@ -210,11 +212,33 @@ def used_runs(blocks: Blocks) -> list[RunStats]:
     return [s for runs in blocks.complete.values() for s in runs.values()] + list(blocks.control.values())
 
 
-def analyse(stats: Sequence[RunStats], unigram_eval_cb0: float | None = None) -> dict:
-    """Everything claims.md shows, as one dict: blocks, the decided claims, the control, the grid."""
+def run_codes(paths: Sequence[str | Path]) -> dict[str, str]:
+    """The codes sha256 each run directory trained on, by its study folder's data.json (a run whose folder
+    has none is left out), keyed by the path as given."""
+    out = {}
+    for p in paths:
+        record = read_record(Path(p).parent)
+        if record is not None:
+            out[str(p)] = codes_of_runs(record, [Path(p).name])[Path(p).name]
+    return out
+
+
+def codes_of_blocks(blocks: Blocks, codes: dict[str, str]) -> dict[Block, list[str]]:
+    """The codes (sha256, sorted) the runs of each complete block and its control trained on, where known."""
+    out = {}
+    for b, runs in blocks.complete.items():
+        used = [*runs.values(), *([blocks.control[b]] if b in blocks.control else [])]
+        out[b] = sorted({codes[s.path] for s in used if s.path in codes})
+    return out
+
+
+def analyse(stats: Sequence[RunStats], unigram_eval_cb0: float | None = None,
+            codes: dict[str, str] | None = None) -> dict:
+    """Everything claims.md shows, as one dict: blocks, the decided claims, the control, the grid, and, where
+    ``codes`` (run path -> codes sha256, ``run_codes``) knows, the codes each block trained on."""
     blocks = study_blocks(stats)
     return {"blocks": blocks, "claims": claims_of(blocks), "control": control_of(blocks),
-            **summarise_grid(used_runs(blocks), unigram_eval_cb0)}
+            "codes": codes_of_blocks(blocks, codes or {}), **summarise_grid(used_runs(blocks), unigram_eval_cb0)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,6 +281,7 @@ def markdown(result: dict) -> str:
             for (lr, s), have in blocks.incomplete.items()) + ".")
     if blocks.ignored:
         lines.append("Runs with none of the study's roles, ignored: " + ", ".join(blocks.ignored) + ".")
+    lines += codes_lines(result.get("codes") or {})
     control = result["control"]
     lines += ["", "### Positive control (QK-Norm)", ""]
     if control is None:
@@ -267,6 +292,18 @@ def markdown(result: dict) -> str:
         lines += [f"- {part_text(q)}" for q in control["parts"]]
     lines += ["", *grid_markdown(result)]
     return "\n".join(lines) + "\n"
+
+
+def codes_lines(codes: dict[Block, list[str]]) -> list[str]:
+    """A line naming the blocks of each set of codes, when the runs trained on more than one (a declared
+    deviation, docs/STUDY.md); nothing otherwise."""
+    if len({sha for shas in codes.values() for sha in shas}) < 2:
+        return []
+    groups: dict[str, list[Block]] = {}
+    for b, shas in codes.items():
+        groups.setdefault(" and ".join(f"`{sha[:8]}…`" for sha in shas) or "unknown codes", []).append(b)
+    return ["Codes the runs trained on (data.json; more than one set, a declared deviation): " + "; ".join(
+        f"{what}: " + ", ".join(f"lr {lr_text(lr)} seed {s}" for lr, s in bs) for what, bs in groups.items()) + "."]
 
 
 def _plain(x):
@@ -288,6 +325,7 @@ def to_json(result: dict) -> dict:
     blocks: Blocks = result["blocks"]
     out = {k: _plain(v) for k, v in result.items() if k != "blocks"}
     out["alpha"] = ALPHA
+    out["codes"] = [{"lr": lr, "seed": s, "codes_sha256": shas} for (lr, s), shas in result["codes"].items()]
     out["blocks"] = {"complete": [list(b) for b in blocks.complete],
                      "incomplete": [{"lr": lr, "seed": s, "roles": have}
                                     for (lr, s), have in blocks.incomplete.items()],
@@ -332,7 +370,7 @@ def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Pat
     runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
     paths = [r for r in run_dirs if not isinstance(r, RunMetrics)]
     runs += [read_run(d, "bits") for d in find_run_dirs(paths)]
-    result = analyse([run_stats(r) for r in runs], unigram_eval_cb0)
+    result = analyse([run_stats(r) for r in runs], unigram_eval_cb0, run_codes([r.path for r in runs]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "claims.md", out / "claims.json"

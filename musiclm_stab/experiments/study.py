@@ -56,6 +56,15 @@ from musiclm_stab.experiments.launch import (
     default_data,
     run_state,
 )
+from musiclm_stab.experiments.study_codes import (
+    DATA_RECORD,
+    RUN_TIME_FILE,
+    check_study_data,
+    codes_of_runs,
+    merge_records,
+    read_record,
+    switch_codes,
+)
 from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     DEFAULT_NAMES,
@@ -76,16 +85,19 @@ from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan) -> dict:
     """One run's row of summary.json and the progress report: its lr, precision and seed; final losses
     (training: mean of the last ``last`` logged; held-out: the last evaluation) beside the held-out unigram
-    level it is judged against; grad-norm range; skipped and overflowed updates; divergence."""
+    level it is judged against; grad-norm range; skipped and overflowed updates; divergence; the sha256 of
+    the codes it trained on (by the study folder's data.json; None without one)."""
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
+    record = read_record(Path(run_dir).parent)
     train, optim = run.config.get("train") or {}, run.config.get("optim") or {}
     out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "lr": optim.get("lr"),
            "precision": train.get("mixed_precision"),
            "fp16_mode": train.get("fp16_mode") if train.get("mixed_precision") == "fp16" else None,
            "steps": run.last_step, "skipped_steps": int(len(run.skipped_steps)),
-           "diverged_at": getattr(run, "diverged_at", None), "unigram_eval_cb0": unigram_eval_cb0}
+           "diverged_at": getattr(run, "diverged_at", None), "unigram_eval_cb0": unigram_eval_cb0,
+           "codes_sha256": codes_of_runs(record, [Path(run_dir).name])[Path(run_dir).name] if record else None}
     overflow = run.metric("overflow_step")
     out["overflow_steps"] = int(overflow[1].sum()) if overflow else 0
     for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0"),
@@ -197,9 +209,6 @@ def probed_already(run_dir: Path) -> dict | None:
     return result if same and result.get("step") == read_run(run_dir).last_step else None
 
 
-RUN_TIME_FILE = "study_time.json"
-
-
 def run_times(run_dirs: list[Path]) -> dict[str, dict]:
     """Each run's RUN/study_time.json (the wall time of the launch that finished it, with the jobs beside it),
     by run name, for the runs that have one: a study run in pieces sums its cost from these."""
@@ -211,35 +220,6 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-DATA_RECORD = "data.json"
-
-
-def check_study_data(folder: Path, data: str | Path) -> str:
-    """The sha256 of ``data``'s codes, checked against FOLDER/data.json, the record of the codes the study's
-    earlier runs trained on (written when missing). A study run in pieces, on several machines or after its
-    run directories were copied elsewhere, must train every run on the same codes: else ConfigError."""
-    from musiclm_stab.data.tokenized import codes_sha256
-
-    sha = codes_sha256(data)
-    record = folder / DATA_RECORD
-    if record.is_file():
-        earlier = json.loads(record.read_text())
-        if earlier.get("codes_sha256") != sha:
-            here = machine()
-            raise ConfigError(
-                f"{data} has codes sha256 {sha}, but the runs of {folder} were trained on codes with sha256 "
-                f"{earlier.get('codes_sha256')} ({earlier.get('data')}, {record}): tokenize the same corpus with "
-                f"the same weights, or give this study another --runs / --name. The same corpus and weights can "
-                f"tokenize to other codes on another CPU (float32; this one: {here['cpu']}, {here['cpu_capability']} "
-                f"kernels): then put the study's codes into this tokenizing with --codes FILE (a file made by "
-                f"`musiclm-stab codes save` where they were made); see docs/STUDY.md, 'In pieces'"
-            )
-        return sha
-    folder.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"data": str(data), "codes_sha256": sha}, indent=1) + "\n")
-    return sha
-
-
 CARRIED = ("config.yaml", "metrics.jsonl", "tokenizer.json", RUN_TIME_FILE)
 
 
@@ -249,17 +229,12 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
     (probe/probe.json), and the codes record data.json. A finished run is one the study wrote
     RUN/study_time.json for (trained to its last step, or diverged); the others are left and named. Refused
     (ConfigError), before anything is copied: a ``folder`` without data.json, a ``dest`` whose data.json
-    records other codes, a run at ``dest`` of the same name with another config, a finished run lacking a
+    records other codes (or another history of earlier codes: study_codes.merge_records), a run at ``dest`` of the same name with another config, a finished run lacking a
     file. Returns the run directories written at ``dest``."""
-    record = folder / DATA_RECORD
-    if not record.is_file():
+    ours = read_record(folder)
+    if ours is None:
         raise ConfigError(f"{folder} has no {DATA_RECORD}: not the folder of a study whose runs were trained")
-    sha = json.loads(record.read_text()).get("codes_sha256")
-    there = dest / DATA_RECORD
-    theirs = json.loads(there.read_text()).get("codes_sha256") if there.is_file() else sha
-    if theirs != sha:
-        raise ConfigError(f"{there} records codes sha256 {theirs}, but the runs of {folder} trained on {sha}: "
-                          "runs on other codes do not join that study")
+    record = merge_records(ours, read_record(dest), dest / DATA_RECORD)
     runs = sorted(d for d in folder.iterdir() if (d / "config.yaml").is_file())
     finished = [d for d in runs if (d / RUN_TIME_FILE).is_file()]
     for d in finished:
@@ -270,7 +245,7 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
         if other.is_file() and yaml.safe_load(other.read_text()) != yaml.safe_load((d / "config.yaml").read_text()):
             raise ConfigError(f"{other.parent} holds a run with another config than {d}: not overwritten")
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(record, there)
+    (dest / DATA_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     for d in finished:
         (dest / d.name).mkdir(exist_ok=True)
         for name in CARRIED:
@@ -475,6 +450,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--carry-to", metavar="DEST",
                    help="train nothing: copy the study's finished runs without their checkpoints (config, metrics, "
                         "tokenizer record, study_time.json, probe) and its data.json to DEST, for another machine")
+    p.add_argument("--switch-codes", metavar="WHY",
+                   help="train nothing: declare that the study goes on with the codes of its data (--data, or the "
+                        "scale's), other than those its finished runs trained on, for the reason WHY (a deviation: "
+                        "its data.json keeps the earlier codes and their runs; docs/STUDY.md)")
     p.add_argument("--codes", metavar="FILE",
                    help="before training, put the codes of FILE (`musiclm-stab codes save`) into the study's tokenized "
                         "data (same corpus and weights, tokenized on this machine): for runs of one study trained on "
@@ -503,11 +482,26 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(f"musiclm-stab study: error: {e}", file=sys.stderr)
             return 2
 
-    if args.carry_to is not None:
-        if args.scale == "full":
-            p.error("--carry-to: the cpu and gpu scales' studies only")
+    if args.switch_codes is not None and (args.codes or args.print_only or args.carry_to is not None):
+        p.error("--switch-codes trains nothing: not with --codes, --print-only or --carry-to")
+    if (args.carry_to is not None or args.switch_codes is not None) and args.scale == "full":
+        p.error("--carry-to, --switch-codes: the cpu and gpu scales' studies only")
+    folder = Path(args.runs) / (args.name or DEFAULT_NAMES.get(args.scale, ""))
+    if args.switch_codes is not None:
+        preset, tracks = STUDY_DATA[args.scale]
+        data = args.data or Path(args.work) / f"{data_name(tracks, preset)}_tokens"
         try:
-            carry_study(Path(args.runs) / (args.name or DEFAULT_NAMES[args.scale]), Path(args.carry_to))
+            new = switch_codes(folder, data, args.switch_codes)
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            print(f"musiclm-stab study: error: {e}", file=sys.stderr)
+            return 2
+        was = new["earlier_codes"][-1]
+        print(f"{folder / DATA_RECORD}: the study goes on with the codes of {data} ({new['codes_sha256']}); "
+              f"{len(was['runs'])} finished runs trained on {was['codes_sha256']}, kept in earlier_codes")
+        return 0
+    if args.carry_to is not None:
+        try:
+            carry_study(folder, Path(args.carry_to))
         except ConfigError as e:
             print(f"musiclm-stab study: error: {e}", file=sys.stderr)
             return 2
