@@ -229,8 +229,9 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
     (probe/probe.json), and the codes record data.json. A finished run is one the study wrote
     RUN/study_time.json for (trained to its last step, or diverged); the others are left and named. Refused
     (ConfigError), before anything is copied: a ``folder`` without data.json, a ``dest`` whose data.json
-    records other codes (or another history of earlier codes: study_codes.merge_records), a run at ``dest`` of the same name with another config, a finished run lacking a
-    file. Returns the run directories written at ``dest``."""
+    records other codes (or another history of earlier codes: study_codes.merge_records), a run at ``dest``
+    of the same name with another config, a finished run lacking a file. Returns the run directories written
+    at ``dest``."""
     ours = read_record(folder)
     if ours is None:
         raise ConfigError(f"{folder} has no {DATA_RECORD}: not the folder of a study whose runs were trained")
@@ -473,6 +474,10 @@ def cli_main(argv: list[str] | None = None) -> int:
                 "DATA FILE` before the launch lines) or --carry-to")
     if args.codes and args.scale == "full" and args.data is None:
         p.error("--codes needs the data it goes into: --data TOKENS")
+    if args.switch_codes is not None and (args.codes or args.print_only or args.carry_to is not None):
+        p.error("--switch-codes trains nothing: not with --codes, --print-only or --carry-to")
+    if (args.carry_to is not None or args.switch_codes is not None) and args.scale == "full":
+        p.error("--carry-to, --switch-codes: the cpu and gpu scales' studies only")
     if args.codes:  # a missing or broken file is said now, not after the data preparation (~26 min at cpu scale)
         from musiclm_stab.data.codes_file import read_codes
 
@@ -482,10 +487,6 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(f"musiclm-stab study: error: {e}", file=sys.stderr)
             return 2
 
-    if args.switch_codes is not None and (args.codes or args.print_only or args.carry_to is not None):
-        p.error("--switch-codes trains nothing: not with --codes, --print-only or --carry-to")
-    if (args.carry_to is not None or args.switch_codes is not None) and args.scale == "full":
-        p.error("--carry-to, --switch-codes: the cpu and gpu scales' studies only")
     folder = Path(args.runs) / (args.name or DEFAULT_NAMES.get(args.scale, ""))
     if args.switch_codes is not None:
         preset, tracks = STUDY_DATA[args.scale]
