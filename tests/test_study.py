@@ -409,3 +409,24 @@ def test_the_committed_study_codes_are_those_the_study_goes_on_with():
     earlier = [name for e in record.get("earlier_codes", []) for name in e["runs"]]
     assert set(earlier) <= carried and len(earlier) == len(set(earlier))
     assert all(sha != record["codes_sha256"] for sha in codes_of_runs(record, earlier).values())
+
+
+def test_only_keeps_some_configurations_as_the_whole_plan_has_them(tmp_path, capsys):
+    """--only: a piece smaller than a block (two seed-0 runs and their probes fit a sitting where four do
+    not) trains those configurations' runs under the names, seeds and overrides of the whole plan."""
+    kept = (STUDY_RECIPES[0], STUDY_RECIPES[2], CONTROL)
+    whole = plan_study("cpu", tmp_path, data="work/hours256_tokens", first_seed=0, seeds=1)
+    part = plan_study("cpu", tmp_path, data="work/hours256_tokens", first_seed=0, seeds=1, only=kept)
+    assert [(r.stem, r.overrides) for r in part.runs] == [(r.stem, r.overrides) for r in whole.runs if r.stem in kept]
+    assert {r.stem for r in part.runs} == set(kept) and part.lrs == whole.lrs
+    with pytest.raises(ValueError, match="no run of the plan"):
+        plan_study("cpu", tmp_path, data="x", lrs=(1e-3,), control=False, only=(CONTROL,))
+    with pytest.raises(ValueError, match="study_prenorm_clip5"):
+        plan_study("cpu", tmp_path, data="x", only=("study_prenorm_clip5",))
+    argv = ["--print-only", "--runs", str(tmp_path), "--lrs", "1e-3", "--no-control", "--seeds", "1"]
+    assert cli_main([*argv, "--only", STUDY_RECIPES[1]]) == 0
+    launches = [a for a in map(shlex.split, capsys.readouterr().out.splitlines()) if "launch" in a[:3]]
+    assert len(launches) == 1 and f"recipes/{STUDY_RECIPES[1]}.yaml" in launches[0]
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--only", CONTROL])
+    assert "no run of the plan" in capsys.readouterr().err

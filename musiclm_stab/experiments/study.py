@@ -66,6 +66,7 @@ from musiclm_stab.experiments.study_codes import (
     switch_codes,
 )
 from musiclm_stab.experiments.study_plan import (
+    CONTROL,
     DEFAULT_JOBS,
     DEFAULT_NAMES,
     ORDERS,
@@ -436,6 +437,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=float, nargs="*",
                    help="the peak learning rates of the grid (default: the scale's, study_plan.LR_GRIDS; none: the recipes')")
     p.add_argument("--no-control", action="store_true", help="without the QK-norm control at the top rates")
+    p.add_argument("--only", nargs="+", metavar="RECIPE", choices=(*STUDY_RECIPES, CONTROL),
+                   help="train only the runs of these configurations (recipe names; the control: " + CONTROL
+                        + "), named as in the whole study: a piece smaller than a block, e.g. two seed-0 runs "
+                        "with their probes")
     p.add_argument("--order", choices=ORDERS, default="paired",
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
     p.add_argument("--jobs", type=int,
@@ -521,9 +526,13 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(f"musiclm-stab study: error: {e}", file=sys.stderr)
             return 2
     try:
-        study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds, args.order,
-                           lrs=None if args.lrs is None else tuple(args.lrs), first_seed=args.first_seed,
-                           control=not args.no_control)
+        try:
+            study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds,
+                               args.order, lrs=None if args.lrs is None else tuple(args.lrs),
+                               first_seed=args.first_seed, control=not args.no_control,
+                               only=None if args.only is None else tuple(args.only))
+        except ValueError as e:  # a plan that asks for nothing (--only the control without its rates)
+            p.error(str(e))
         threads = args.threads if args.scale == "cpu" and args.threads > 0 else None
         if args.print_only:
             env = f"OMP_NUM_THREADS={threads} " if threads else ""

@@ -131,6 +131,7 @@ def plan_study(
     lrs: tuple[float, ...] | None = None,
     first_seed: int = 0,
     control: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> Study:
     """The runs of the study at ``scale``: the four configurations x the lr grid x ``seeds`` seeds from
     ``first_seed`` (the scale's defaults when None; pilots use seeds the study does not), plus the QK-norm
@@ -139,7 +140,8 @@ def plan_study(
     ``lrs`` sets the grid (LR_GRIDS[scale] when None; empty: the recipes' own lr, no grid). ``data`` sets
     data.path (the recipes' own path is a placeholder), ``steps`` train.max_steps (with the warmup a tenth of
     it and the evaluation and diagnostics about every tenth of it, at cpu and gpu scale), ``extra``
-    (``section.key=value``) is applied last to every run.
+    (``section.key=value``) is applied last to every run. ``only`` (recipe names of STUDY_RECIPES and CONTROL)
+    keeps the runs of those configurations, as the whole plan has them: a piece of a study smaller than a block.
     """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
@@ -151,6 +153,9 @@ def plan_study(
     grid = tuple(LR_GRIDS[scale] if lrs is None else lrs)
     if any(not lr > 0 for lr in grid):
         raise ValueError(f"learning rates must be > 0, got {grid}")
+    unknown = sorted(set(only or ()) - {*STUDY_RECIPES, CONTROL})
+    if unknown:
+        raise ValueError(f"only={unknown}: the study's configurations are {', '.join((*STUDY_RECIPES, CONTROL))}")
     runs_dir = Path(runs_dir)
     out = runs_dir / (name or DEFAULT_NAMES[scale]) if scale != "full" else runs_dir
     top = sorted(grid)[-CONTROL_LRS:] if control else []
@@ -177,6 +182,11 @@ def plan_study(
                         overrides += _short_run_overrides(configs, [*overrides, *as_overrides(extra or [])], steps)
                 overrides += as_overrides(extra or [])
                 runs.append(StudyRun(configs, merge_overrides(overrides), stem, seed, lr))
+    if only is not None:
+        runs = [run for run in runs if run.stem in only]
+        if not runs:
+            raise ValueError(f"only={list(only)}: no run of the plan is of these configurations (the control runs "
+                             f"at the grid's top {CONTROL_LRS} rates only)")
     figures = out / "figures" if scale != "full" else runs_dir / FULL_FIGURES
     study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid)
     for run in runs:
