@@ -177,7 +177,11 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     assert sorted(p.name for p in (root / "figures").glob("*.png")) == sorted(FIGURES + EXTRA + ["lr_sensitivity.png"])
     summary = json.loads((root / "figures" / "summary.json").read_text())
     assert [r["label"] for r in summary] == LABELS and all(r["steps"] == 2 for r in summary)
+    sha = codes_sha256(tokenized_dataset)  # one set of codes: recorded per run and block, no line in claims.md
+    assert [r["codes_sha256"] for r in summary] == [sha] * 4
+    assert [c["codes_sha256"] for c in json.loads((root / "figures" / "claims.json").read_text())["codes"]] == [[sha]]
     claims = (root / "figures" / "claims.md").read_text()
+    assert "Codes the runs trained on" not in claims
     assert all(f"| ({c})" in claims for c in "abcd")
     with tarfile.open(out / "study_gpu.tar.gz") as tar:
         names = tar.getnames()
@@ -396,7 +400,7 @@ def test_the_committed_study_codes_are_those_the_study_goes_on_with():
     import numpy as np
 
     from musiclm_stab.data.tokenized import sha256_of_codes
-    from musiclm_stab.experiments.study_codes import codes_of_runs
+    from musiclm_stab.experiments.study_codes import codes_of
 
     record = json.loads((REPO / "docs" / "study_cpu" / "runs" / "data.json").read_text())
     saved = read_codes(REPO / "data" / "study_cpu_codes.npz.xz")
@@ -408,7 +412,7 @@ def test_the_committed_study_codes_are_those_the_study_goes_on_with():
     carried = {d.name for d in (REPO / "docs" / "study_cpu" / "runs").iterdir() if d.is_dir()}
     earlier = [name for e in record.get("earlier_codes", []) for name in e["runs"]]
     assert set(earlier) <= carried and len(earlier) == len(set(earlier))
-    assert all(sha != record["codes_sha256"] for sha in codes_of_runs(record, earlier).values())
+    assert all(codes_of(record, name) != record["codes_sha256"] for name in earlier)
 
 
 def test_only_keeps_some_configurations_as_the_whole_plan_has_them(tmp_path, capsys):

@@ -417,6 +417,10 @@ def test_write_claims_files_cli_and_doc(tmp_path, capsys):
             if lr == 1e-3:
                 write_run(root, make_run("qknorm", lr, s, curve(rng), evals=(10.0, 6.5), logit=2.0))
     write_run(root, make_run("clip1", 1e-3, 7, curve(rng)))  # a block with one run: incomplete
+    # the study switched codes after the lr 1e-4 blocks (study_codes.switch_codes): claims.md names each set
+    first = sorted(d.name for d in root.iterdir() if "_0.0001_" in d.name)
+    (root / "data.json").write_text(json.dumps({"codes_sha256": "e" * 64, "earlier_codes": [
+        {"codes_sha256": "7" * 64, "runs": first}]}))
     md, js = write_claims([root], tmp_path / "out", unigram_eval_cb0=7.0)
     text = md.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| (")]
@@ -430,6 +434,10 @@ def test_write_claims_files_cli_and_doc(tmp_path, capsys):
     assert data["claims"][1]["parts"][0]["blocks"] == 4 and data["learns"]["eval"]["unigram_eval_cb0"] == 7.0
     assert data["largest_stable_lr"]["clip1"] == 1e-3
     assert data["control"]["parts"][1]["estimate"] == pytest.approx(3.0)
+    assert ("`77777777…`: lr 1e-4 seed 0, lr 1e-4 seed 1; `eeeeeeee…`: lr 1e-3 seed 0, lr 1e-3 seed 1."
+            in text)
+    assert [(c["lr"], c["seed"], c["codes_sha256"]) for c in data["codes"]] == [
+        (1e-4, 0, ["7" * 64]), (1e-4, 1, ["7" * 64]), (1e-3, 0, ["e" * 64]), (1e-3, 1, ["e" * 64])]
     doc = tmp_path / "STUDY.md"
     doc.write_text(f"before\n{DOC_BEGIN}\nold table\n{DOC_END}\nafter\n")
     assert cli_main([str(root), "--out", str(tmp_path / "cli"), "--doc", str(doc), "--unigram", "7"]) == 0

@@ -13,7 +13,7 @@ from musiclm_stab.analysis.claims import codes_lines, run_codes
 from musiclm_stab.config import ConfigError
 from musiclm_stab.data.tokenized import codes_sha256
 from musiclm_stab.experiments.study import carry_study, cli_main
-from musiclm_stab.experiments.study_codes import check_study_data, codes_of_runs, merge_records, switch_codes
+from musiclm_stab.experiments.study_codes import check_study_data, codes_of, merge_records, switch_codes
 
 
 def _run(folder: Path, name: str, finished: bool = True) -> Path:
@@ -52,7 +52,7 @@ def test_switch_keeps_the_earlier_codes_and_their_runs(other_machine_tokens, tok
     assert earlier["codes_sha256"] == "7" * 64 and earlier["runs"] == ["a_s0", "b_s0"]
     assert earlier["why"] == "the machine that made them is gone" and earlier["machine"]["cpu"]
     assert check_study_data(folder, other) == new  # the pieces from now on
-    assert codes_of_runs(record, ["a_s0", "c_s0", "d_s0"]) == {"a_s0": "7" * 64, "c_s0": new, "d_s0": new}
+    assert [codes_of(record, n) for n in ("a_s0", "c_s0", "d_s0")] == ["7" * 64, new, new]
     with pytest.raises(ConfigError, match="nothing to switch"):
         switch_codes(folder, other, "again")
     with pytest.raises(ConfigError, match="on the recorded codes"):  # no run trained on `new` yet
@@ -60,8 +60,7 @@ def test_switch_keeps_the_earlier_codes_and_their_runs(other_machine_tokens, tok
     (folder / "c_s0" / "study_time.json").write_text('{"wall_s": 1.0, "jobs": 1}')
     back = switch_codes(folder, tokenized_dataset, "back")
     assert [e["runs"] for e in back["earlier_codes"]] == [["a_s0", "b_s0"], ["c_s0"]]
-    assert codes_of_runs(back, ["a_s0", "c_s0", "d_s0"]) == {"a_s0": "7" * 64, "c_s0": new,
-                                                             "d_s0": codes_sha256(tokenized_dataset)}
+    assert [codes_of(back, n) for n in ("a_s0", "c_s0", "d_s0")] == ["7" * 64, new, codes_sha256(tokenized_dataset)]
 
 
 def test_carry_keeps_the_history_of_the_study_it_joins(tmp_path, capsys):

@@ -58,7 +58,7 @@ from musiclm_stab.analysis.claim_stats import (
 from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
 from musiclm_stab.analysis.lr_grid import grid_markdown, summarise_grid
 from musiclm_stab.analysis.runs import RunMetrics, read_run
-from musiclm_stab.experiments.study_codes import codes_of_runs, read_record
+from musiclm_stab.experiments.study_codes import run_codes_sha256
 from musiclm_stab.experiments.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
@@ -215,12 +215,7 @@ def used_runs(blocks: Blocks) -> list[RunStats]:
 def run_codes(paths: Sequence[str | Path]) -> dict[str, str]:
     """The codes sha256 each run directory trained on, by its study folder's data.json (a run whose folder
     has none is left out), keyed by the path as given."""
-    out = {}
-    for p in paths:
-        record = read_record(Path(p).parent)
-        if record is not None:
-            out[str(p)] = codes_of_runs(record, [Path(p).name])[Path(p).name]
-    return out
+    return {str(p): sha for p in paths if (sha := run_codes_sha256(p)) is not None}
 
 
 def codes_of_blocks(blocks: Blocks, codes: dict[str, str]) -> dict[Block, list[str]]:

@@ -60,9 +60,9 @@ from musiclm_stab.experiments.study_codes import (
     DATA_RECORD,
     RUN_TIME_FILE,
     check_study_data,
-    codes_of_runs,
     merge_records,
     read_record,
+    run_codes_sha256,
     switch_codes,
 )
 from musiclm_stab.experiments.study_plan import (
@@ -91,14 +91,13 @@ def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan)
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
-    record = read_record(Path(run_dir).parent)
     train, optim = run.config.get("train") or {}, run.config.get("optim") or {}
     out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "lr": optim.get("lr"),
            "precision": train.get("mixed_precision"),
            "fp16_mode": train.get("fp16_mode") if train.get("mixed_precision") == "fp16" else None,
            "steps": run.last_step, "skipped_steps": int(len(run.skipped_steps)),
            "diverged_at": getattr(run, "diverged_at", None), "unigram_eval_cb0": unigram_eval_cb0,
-           "codes_sha256": codes_of_runs(record, [Path(run_dir).name])[Path(run_dir).name] if record else None}
+           "codes_sha256": run_codes_sha256(run_dir)}
     overflow = run.metric("overflow_step")
     out["overflow_steps"] = int(overflow[1].sum()) if overflow else 0
     for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0"),

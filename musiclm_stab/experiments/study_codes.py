@@ -5,20 +5,20 @@ run on one set of codes, recorded in ``data.json`` as the sha256 of the tokenize
 (``codes_sha256``); a piece on other codes is refused. Where the study's codes can no longer be had, the study
 may go on with other codes as a *declared deviation* (``switch_codes``, ``musiclm-stab study --switch-codes
 WHY``): ``data.json`` then keeps, under ``earlier_codes``, each earlier codes sha256 with the runs that trained
-on them, when, where and why, and ``codes_of_runs`` says for every run which codes it trained on.
+on them, when, where and why, and ``codes_of`` says for every run which codes it trained on.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.host import machine
 
-__all__ = ["DATA_RECORD", "RUN_TIME_FILE", "check_study_data", "codes_of_runs", "merge_records", "read_record", "switch_codes"]
+__all__ = ["DATA_RECORD", "RUN_TIME_FILE", "check_study_data", "codes_of", "merge_records", "read_record",
+           "run_codes_sha256", "switch_codes"]
 
 DATA_RECORD = "data.json"
 RUN_TIME_FILE = "study_time.json"  # written for each finished run (experiments/study.py)
@@ -57,7 +57,8 @@ def check_study_data(folder: Path, data: str | Path) -> str:
 
 
 def _finished_runs(folder: Path) -> list[str]:
-    return sorted(d.name for d in folder.iterdir() if (d / "config.yaml").is_file() and (d / RUN_TIME_FILE).is_file())
+    return sorted(d.name for d in folder.iterdir()
+                  if (d / "config.yaml").is_file() and (d / RUN_TIME_FILE).is_file())
 
 
 def switch_codes(folder: str | Path, data: str | Path, why: str) -> dict:
@@ -91,11 +92,19 @@ def switch_codes(folder: str | Path, data: str | Path, why: str) -> dict:
     return new
 
 
-def codes_of_runs(record: dict, names: Iterable[str]) -> dict[str, str | None]:
-    """The codes sha256 each named run trained on, by ``record`` (a data.json): that of the earlier codes
-    that list it, else the recorded codes."""
-    earlier = {name: e.get("codes_sha256") for e in record.get("earlier_codes", []) for name in e.get("runs", [])}
-    return {name: earlier.get(name, record.get("codes_sha256")) for name in names}
+def codes_of(record: dict, name: str) -> str | None:
+    """The codes sha256 run ``name`` trained on, by ``record`` (a data.json): that of the earlier codes that
+    list it, else the recorded codes."""
+    for earlier in record.get("earlier_codes", []):
+        if name in earlier.get("runs", []):
+            return earlier.get("codes_sha256")
+    return record.get("codes_sha256")
+
+
+def run_codes_sha256(run_dir: str | Path) -> str | None:
+    """The codes sha256 the run in ``run_dir`` trained on, by its study folder's data.json (None: no record)."""
+    record = read_record(Path(run_dir).parent)
+    return None if record is None else codes_of(record, Path(run_dir).name)
 
 
 def merge_records(ours: dict, theirs: dict | None, where: Path) -> dict:
