@@ -13,7 +13,10 @@
 # OUT go to `musiclm-stab study --scale gpu` (e.g. --steps 600 --seeds 2 --jobs 2, or --data TOKENS to skip
 # the data preparation). Environment: PYTHON (default python3); STUDY_ALLOW_CPU=1 runs without a GPU
 # (the test suite runs this script at tiny size on CPU that way); STUDY_GPU_WHEELS, the folder of carried
-# wheels (default .whl; empty: install none, use the environment's packages, as the test does).
+# wheels (default .whl; empty: install none, use the environment's packages, as the test does);
+# STUDY_GPU_DEADLINE_S, seconds from the script's start after which the study is stopped (its runs killed)
+# and what it has written is archived all the same: for a lease shorter than the study (default: none).
+# Runs stopped there hold their metrics so far; rerunning the same command resumes them from checkpoints.
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/study_gpu.sh OUT [study options ...]}
 shift
@@ -46,19 +49,30 @@ if not gpu and os.environ.get("STUDY_ALLOW_CPU") != "1":
 EOF
 
 stamp "study: $PYTHON -m musiclm_stab.cli study --scale gpu --work $OUT/work --runs $OUT/runs $*"
+LIMIT=()
+if [ -n "${STUDY_GPU_DEADLINE_S:-}" ]; then
+    # timeout signals its own process group: the study and every run it launched
+    LEFT=$(( STUDY_GPU_DEADLINE_S - ($(date +%s) - START) ))
+    LIMIT=(timeout --kill-after=15 "$(( LEFT > 1 ? LEFT : 1 ))")  # (timeout 0 would mean no limit)
+fi
 set +e
-"$PYTHON" -m musiclm_stab.cli study --scale gpu --work "$OUT/work" --runs "$OUT/runs" "$@" 2>&1 | tee -a "$LOG"
+"${LIMIT[@]}" "$PYTHON" -m musiclm_stab.cli study --scale gpu --work "$OUT/work" --runs "$OUT/runs" "$@" 2>&1 | tee -a "$LOG"
 STATUS=${PIPESTATUS[0]}
 set -e
+if [ ${#LIMIT[@]} -gt 0 ] && { [ "$STATUS" = 124 ] || [ "$STATUS" = 137 ]; }; then
+    # each run, signalled too, checkpoints and stops after its current step: wait for them (at most 90 s)
+    for _ in $(seq 90); do pgrep -f -- "--train.output_dir=$OUT/runs" >/dev/null || break; sleep 1; done
+    stamp "study stopped at the deadline of ${STUDY_GPU_DEADLINE_S} s (exit $STATUS): unfinished runs hold their metrics so far"
+fi
 stamp "study exited with $STATUS after $(( $(date +%s) - START )) s"
 
 # One archive (the device tool returns few files): figures, tables, and each run's config and metrics.
 STUDY_DIR="$OUT/runs/study_gpu"
 for arg in "$@"; do case "$arg" in --name=*) STUDY_DIR="$OUT/runs/${arg#--name=}";; esac; done
 if [ -d "$STUDY_DIR" ]; then
-    (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' figures \
-        $(ls -d */config.yaml */metrics.jsonl */tokenizer.json */study_time.json */probe/probe.json data.json logs \
-            2>/dev/null))  # probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
+    (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' \
+        $(ls -d figures */config.yaml */metrics.jsonl */tokenizer.json */study_time.json */probe/probe.json data.json \
+            logs 2>/dev/null))  # probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
     stamp "results: $OUT/study_gpu.tar.gz ($(du -h "$OUT/study_gpu.tar.gz" | cut -f1))"
 fi
 exit "$STATUS"

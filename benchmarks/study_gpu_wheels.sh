@@ -15,7 +15,8 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 PACKAGES=(encodec==0.1.1 librosa==0.11.0 soundfile==0.14.0 audioread==3.1.0 soxr==1.1.0 pooch==1.9.0
           decorator==5.3.1 cffi==2.1.1 pycparser==3.12 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
           music21==10.5.1 chardet==7.7.0 jsonpickle==4.1.4 more-itertools==11.2.1 webcolors==25.10.0
-          pretty_midi==0.2.11.post0 mido==1.3.3 tinysoundfont==0.3.7 platformdirs==4.14.9)
+          pretty_midi==0.2.11.post0 importlib_resources==7.1.0 mido==1.3.3 tinysoundfont==0.3.7
+          platformdirs==4.14.9)  # importlib_resources: pretty_midi imports it; the image lacks it (seen there)
 for pkg in "${PACKAGES[@]}"; do
     # A package published only as source (encodec 0.1.1 is pure Python) comes as its sdist; study_gpu.sh
     # installs it without build isolation (setuptools is in the image).

@@ -147,7 +147,7 @@ def test_gpu_plan_is_base_fp16_past_warmup(tmp_path):
         cfg = run.config().resolved()
         assert (cfg.model.size, cfg.model.num_layers, cfg.train.mixed_precision) == ("base", 12, "fp16")
         assert (cfg.train.fp16_mode, cfg.optim.lr, cfg.model.qk_norm) == ("fairseq", run.lr, run.stem == CONTROL)
-        assert (cfg.train.max_steps, cfg.optim.warmup_steps) == (1000, 80)
+        assert (cfg.train.max_steps, cfg.optim.warmup_steps, cfg.train.fp16_scale_window) == (1000, 80, 32)
         assert cfg.train.eval_every and cfg.train.diagnostics_every
         assert cfg.run_dir == tmp_path / "study_gpu" / f"{run.stem}_gpu_{lr_tag(run.lr)}_s0"
     for run, label in zip(figure_runs(study), LABELS):
@@ -255,6 +255,47 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     run_study(again, jobs=2, formats=("png",))
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
+
+
+TINY = ["model.size=tiny", "model.cqt_bins=84", "model.cqt_bins_per_octave=12", "train.log_every=1",
+        "data.batch_size=2", "data.crop_seconds=2.0", "data.eval_fraction=0.3", "data.num_workers=0"]
+
+
+@pytest.mark.slow
+def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_dataset, tmp_path, capsys):
+    """A run stopped by fp16's loss-scale floor exits with EXIT_DIVERGED, which `accelerate launch` reports as 1:
+    the study reads the run's metrics, records it as diverged and goes on (on the GPU this stopped a study)."""
+    from musiclm_stab.analysis.runs import read_run
+
+    # a loss scale of 1e30 overflows fp16 at once; halved once, it is at the floor. An overflowed update is no
+    # update (fairseq): the runs diverge before their first step, at step 0
+    diverging = TINY + ["train.mixed_precision=fp16", "train.fp16_init_scale=1e30", "train.fp16_min_loss_scale=5e29"]
+    study = plan_study("gpu", tmp_path, tokenized_dataset, steps=3, extra=diverging, lrs=(1e-3,), control=False,
+                       only=("study_prenorm_clip1_run2", "study_prenorm_clip10_run1"))
+    run_study(study, jobs=1, formats=("png",))
+    out = capsys.readouterr().out
+    for run in study.runs:
+        assert read_run(run.config().run_dir).diverged_at == 0
+    summary = json.loads((study.figures_dir / "summary.json").read_text())
+    assert [r["diverged_at"] for r in summary] == [0, 0], out[-2000:]
+
+
+@pytest.mark.slow
+def test_gpu_study_script_stops_at_its_deadline_and_archives_what_it_has(tokenized_dataset, tmp_path):
+    """STUDY_GPU_DEADLINE_S (a lease shorter than the study): the study and its runs are stopped, the runs
+    checkpoint and end, and the archive holds what was written; no run is left running."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
+           "STUDY_GPU_WHEELS": "", "STUDY_GPU_DEADLINE_S": "20"}
+    proc = run_group(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "100000", "--lrs",
+                      "1e-3", "--no-control", "--only", "study_prenorm_clip1_run2", "--data", str(tokenized_dataset),
+                      "--set", *TINY, "train.mixed_precision=no"], timeout=300, env=env)
+    assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "study stopped at the deadline of 20 s" in (out / "study_gpu.log").read_text()
+    with tarfile.open(out / "study_gpu.tar.gz") as tar:
+        assert "data.json" in tar.getnames()
+    left = subprocess.run(["pgrep", "-f", f"--train.output_dir={out}/runs"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout
 
 
 def test_machine_names_the_cpu_and_the_kernels_in_use():

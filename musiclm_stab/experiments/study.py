@@ -340,7 +340,9 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     def finish(i: int, proc: subprocess.Popen, started: float, log) -> None:
         if log is not None:
             log.close()
-        if proc.returncode not in (0, EXIT_DIVERGED):  # a diverged run (fp16 loss scale at its floor) is a result
+        # A diverged run (fp16 loss scale at its floor) is a result. recipes/pretrain.py exits with EXIT_DIVERGED, but
+        # `accelerate launch` turns any failure of its child into exit 1: the run's metrics say whether it diverged.
+        if proc.returncode not in (0, EXIT_DIVERGED) and run_state(configs[i]) != "done":
             for other, (p, _, lg) in active.items():  # stop the others: the study is incomplete anyway
                 if other != i and p.poll() is None:
                     p.terminate()
