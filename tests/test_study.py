@@ -434,6 +434,37 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_counted():
     assert f"{n} of {len(planned)} runs so far" in (REPO / "README.md").read_text()
 
 
+def test_committed_gpu_study_is_the_gpu_plan_at_400_steps_and_quoted_as_it_is():
+    """docs/study_gpu/ holds the one GPU study run so far (docs/STUDY.md, section 2): each run is the gpu
+    plan's run at --steps 400 with exactly that config, finished or diverged, and the text quotes its
+    learns line and verdicts from the committed claims.json."""
+    from musiclm_stab.analysis.runs import read_run
+
+    docs = REPO / "docs" / "study_gpu"
+    planned = {r.config().run_dir.name: r.config() for r in plan_study(
+        "gpu", "/tmp/sg/runs", data="/tmp/sg/work/default_corpus_tokens", steps=400,
+        lrs=(1.5e-2, 4.5e-3, 1.5e-3)).runs}
+    dirs = sorted(d for d in (docs / "runs").iterdir() if d.is_dir())
+    assert sorted(d.name for d in dirs) == sorted(planned)
+    for d in dirs:
+        assert yaml.safe_load((d / "config.yaml").read_text()) == yaml.safe_load(
+            yaml.safe_dump(planned[d.name].to_dict(), sort_keys=False)), d
+        run = read_run(d)
+        assert run.last_step == 400 or run.diverged_at is not None, d
+    claims = json.loads((docs / "figures" / "claims.json").read_text())
+    text = (REPO / "docs" / "STUDY.md").read_text()
+    learns = claims["learns"]["eval"]
+    assert claims["learns"]["verdict"] == "no"
+    assert f"{learns['eval_cb0']:.3f} bits, {learns['below_unigram']:.3f} below" in text
+    assert f"unigram level ({learns['unigram_eval_cb0']:.3f}" in text
+    verdicts = [c["verdict"] for c in claims["claims"]]
+    assert verdicts == ["not testable at this scale", "inconclusive", "inconclusive", "inconclusive"]
+    assert "(a) not testable" in text and "(b), (c), (d) inconclusive" in text
+    diverged = sorted(r["run"] for r in json.loads((docs / "figures" / "summary.json").read_text())
+                      if r["diverged_at"] is not None)
+    assert diverged == sorted(f"{stem}_gpu_lr1.5e-2_s0" for stem in STUDY_RECIPES[1:] + (CONTROL,))
+
+
 def test_the_committed_study_codes_are_those_the_study_goes_on_with():
     """data/study_cpu_codes.npz.xz (what `study --codes` puts into a machine's tokenizing) holds the codes
     docs/study_cpu/runs/data.json says the study's runs train on, and its arrays hash to them; the runs
