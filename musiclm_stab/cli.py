@@ -6,6 +6,7 @@ Training itself runs through ``accelerate launch recipes/pretrain.py``; everythi
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help, reference page). Each module exposes ``cli_main(argv) -> int``, and its
@@ -60,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"musiclm-stab: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.cli_main(argv[1:]) or 0)
+    try:
+        status = int(module.cli_main(argv[1:]) or 0)
+        sys.stdout.flush()  # output shorter than the buffer is written here, not at exit, where a failure is noise
+        return status
+    except BrokenPipeError:  # the reader went away (`study --print-only | head`): stop quietly, as a shell tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # 128 + SIGPIPE, what the shell reports for such a command
 
 
 if __name__ == "__main__":

@@ -394,6 +394,22 @@ def test_print_only_names_each_scale_s_corpus(tmp_path, capsys):
         assert all(f"--data.path={tmp_path / 'w' / folder}" in argv for argv in launches), launches[0]
 
 
+def test_print_only_into_a_closed_pipe_stops_quietly(tmp_path):
+    """`study --print-only | head -1` (the launch lines are meant for other tools): when the reader has gone,
+    a quiet stop with the shell's SIGPIPE status, not a BrokenPipeError traceback. The pipe's read end is
+    closed before the command starts, so its first write fails whatever the timing."""
+    for short in ([], ["--lrs", "1e-3", "--no-control", "--only", "study_prenorm_clip1_run2"]):  # the plan, one run
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "musiclm_stab.cli", "study", "--scale", "full", "--print-only",
+                                   "--runs", str(tmp_path), *short], stdout=write, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.stderr == "" and proc.returncode == 141, proc.stderr[-2000:]
+
+
 def test_probe_every_first_seed_needs_probe(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["--print-only", "--runs", str(tmp_path), "--probe-every-first-seed"])
