@@ -628,28 +628,40 @@ def test_loss_scale_and_evaluation_figures_say_what_they_draw(tmp_path):
 
 def test_lr_figure_lines_bands_unigram_and_diverged_marks(tmp_path):
     """lr_sensitivity.png: one line per configuration over the lrs (mean of the seeds' last held-out
-    codebook-0 loss, min-max band), the unigram level dashed, a diverged seed an x at the top and not in
-    the mean."""
+    codebook-0 loss, min-max band), the unigram level dashed, a diverged seed an x above every point and
+    not in the mean; configurations diverging at one lr on rows of their own (none hides another), the
+    number of seeds beside an x for more than one; the legend below the axes, over no point."""
     from musiclm_stab.analysis.lr_figure import DIVERGED_LABEL, lr_figure, lr_table
 
     dirs = []
-    for lr, finals in ((1e-3, (9.0, 9.2)), (1e-2, (8.5, 8.7)), (1e-1, (9.9, None))):
-        for seed, final in enumerate(finals):
-            rows = synthetic_rows(100, 10, seed=seed)
-            rows[-1]["eval/acoustic_mlm_loss/cb0"] = final if final is not None else 9.0
-            extra = ([json.dumps({"step": 100, "event": "min_loss_scale", "loss_scale": 1.0})]
-                     if final is None else [])
-            dirs.append(write_run(tmp_path, f"lr{lr}_s{seed}", make_config(**{"optim.lr": lr, "train.seed": seed}),
-                                  rows, extra))
+    for clip, cells in ((10.0, ((1e-3, (9.0, 9.2)), (1e-2, (8.5, 8.7)), (1e-1, (9.9, None)))),
+                        (1.0, ((1e-3, (9.1, 9.3)), (1e-1, (None, None))))):
+        for lr, finals in cells:
+            for seed, final in enumerate(finals):
+                rows = synthetic_rows(100, 10, seed=seed)
+                rows[-1]["eval/acoustic_mlm_loss/cb0"] = final if final is not None else 9.0
+                extra = ([json.dumps({"step": 100, "event": "min_loss_scale", "loss_scale": 1.0})]
+                         if final is None else [])
+                config = make_config(**{"optim.lr": lr, "train.seed": seed, "optim.clip_grad": clip})
+                dirs.append(write_run(tmp_path, f"clip{clip}_lr{lr}_s{seed}", config, rows, extra))
     runs = [read_run(d) for d in dirs]
     table = lr_table(runs)
-    (label,) = table
+    label, other = table
     assert {lr: [round(v, 3) if math.isfinite(v) else None for v in vals] for lr, vals in table[label].items()} == {
         1e-3: [9.0, 9.2], 1e-2: [8.5, 8.7], 1e-1: [9.9, None]}
-    ax = lr_figure(runs, unigram_eval_cb0=9.5).axes[0]
+    fig = lr_figure(runs, unigram_eval_cb0=9.5)
+    ax = fig.axes[0]
     (line,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
     assert line.get_xdata().tolist() == [1e-3, 1e-2, 1e-1]
     assert [round(y, 3) for y in line.get_ydata()] == [9.1, 8.6, 9.9]
-    assert [ln.get_xdata().tolist() for ln in ax.get_lines() if (ln.get_gid() or "").startswith("diverged")] == [[0.1]]
-    texts = legend_texts(ax)
+    marks = {ln.get_gid(): (ln.get_xdata().tolist(), ln.get_ydata().tolist()) for ln in ax.get_lines()
+             if (ln.get_gid() or "").startswith("diverged")}
+    assert sorted(marks) == sorted([f"diverged:{label}", f"diverged:{other}"])
+    (x1, (y1,)), (x2, (y2,)) = marks[f"diverged:{label}"], marks[f"diverged:{other}"]
+    assert x1 == x2 == [0.1] and y1 != y2 and min(y1, y2) > 9.9 and max(y1, y2) < ax.get_ylim()[1]
+    assert [t.get_text() for t in ax.texts] == ["2"]  # both seeds of the second configuration diverged at 0.1
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
     assert "Unigram level (held-out): 9.50 bits" in texts and DIVERGED_LABEL in texts and ax.get_xscale() == "log"
+    fig.canvas.draw()
+    assert legend.get_window_extent().y1 <= ax.get_window_extent().y0  # below the axes: it hides no point
