@@ -548,6 +548,22 @@ def test_seed_curve_runs_with_different_steps(tmp_path):
     assert (curve.lo <= curve.line).all() and (curve.line <= curve.hi).all()
 
 
+def test_max_attention_logit_keeps_steps_where_layerdrop_skipped_a_layer(tmp_path):
+    """The overall max attention logit at a step is the largest of the layers logged there: a layer skipped
+    by layerdrop (base size) logs nothing at that step, and the step stays in the curve (requiring every
+    layer had dropped about half the steps of the GPU study's 12-layer runs, and its peak)."""
+    from musiclm_stab.analysis.curves import MAX_LOGIT, with_derived
+
+    rows = synthetic_rows(40, 10)
+    for row in rows:
+        for layer in range(3):
+            if not (layer == 2 and row["step"] == 20):  # layer 2 dropped at step 20
+                row[f"diag/max_attn_logit/layer{layer}"] = float(10 * layer + row["step"])
+    steps, values = with_derived(read_run(write_run(tmp_path, "layerdrop", make_config(), rows))).series[MAX_LOGIT]
+    assert steps.tolist() == [0, 10, 20, 30, 40]
+    assert values.tolist() == [20.0, 30.0, 30.0, 50.0, 60.0]  # at step 20 layer 1's 10 + 20
+
+
 def test_extra_figures_codebooks_attention_logits_and_held_out(tmp_path):
     """--extra draws every codebook's panel, the max attention logit (overall and per layer) and the held-out curves."""
     dirs = _seed_runs(tmp_path, seeds=2)

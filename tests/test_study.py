@@ -148,6 +148,8 @@ def test_gpu_plan_is_base_fp16_past_warmup(tmp_path):
         assert (cfg.model.size, cfg.model.num_layers, cfg.train.mixed_precision) == ("base", 12, "fp16")
         assert (cfg.train.fp16_mode, cfg.optim.lr, cfg.model.qk_norm) == ("fairseq", run.lr, run.stem == CONTROL)
         assert (cfg.train.max_steps, cfg.optim.warmup_steps, cfg.train.fp16_scale_window) == (1000, 80, 32)
+        m = cfg.model  # MERT-330M's regularization, as at the cpu scale
+        assert (m.dropout, m.attention_dropout, m.feature_dropout, m.layerdrop, m.feature_grad_mult) == (0, 0, 0, 0, 1)
         assert cfg.train.eval_every and cfg.train.diagnostics_every
         assert cfg.run_dir == tmp_path / "study_gpu" / f"{run.stem}_gpu_{lr_tag(run.lr)}_s0"
     for run, label in zip(figure_runs(study), LABELS):
@@ -457,8 +459,11 @@ def test_committed_gpu_study_is_the_gpu_plan_at_400_steps_and_quoted_as_it_is():
     from musiclm_stab.analysis.runs import read_run
 
     docs = REPO / "docs" / "study_gpu"
+    # It ran before the overlay took MERT-330M's regularization: base size's MERT-95M values (declared there)
+    mert95m = ["model.dropout=0.1", "model.attention_dropout=0.1", "model.feature_dropout=0.1", "model.layerdrop=0.05",
+               "model.feature_grad_mult=0.1", "data.mixup_max_seconds=1.0"]
     planned = {r.config().run_dir.name: r.config() for r in plan_study(
-        "gpu", "/tmp/sg/runs", data="/tmp/sg/work/default_corpus_tokens", steps=400,
+        "gpu", "/tmp/sg/runs", data="/tmp/sg/work/default_corpus_tokens", steps=400, extra=mert95m,
         lrs=(1.5e-2, 4.5e-3, 1.5e-3)).runs}
     dirs = sorted(d for d in (docs / "runs").iterdir() if d.is_dir())
     assert sorted(d.name for d in dirs) == sorted(planned)

@@ -160,15 +160,17 @@ def seed_curve(runs: Sequence[RunMetrics], metric: str, smooth: float, window: i
 
 
 def with_derived(run: RunMetrics) -> RunMetrics:
-    """The run with ``diag/max_attn_logit/max`` (the largest over layers, at steps every layer logged)."""
+    """The run with ``diag/max_attn_logit/max``: at each step any layer logged, the largest logit of the
+    layers logged there. A layer skipped by layerdrop (base size: 0.05) computed no attention at that step
+    and logs nothing; requiring every layer dropped about half the steps of a 12-layer run."""
     layers = [run.series[k] for k in run.series if LAYER_LOGIT.match(k)]
     if not layers:
         return run
-    common = layers[0][0]
-    for s, _ in layers[1:]:
-        common = np.intersect1d(common, s)
-    values = np.max([v[np.searchsorted(s, common)] for s, v in layers], axis=0)
-    return replace(run, series={**run.series, MAX_LOGIT: (common, values)})
+    steps = np.unique(np.concatenate([s for s, _ in layers]))
+    grid = np.full((len(layers), len(steps)), -np.inf)
+    for row, (s, v) in zip(grid, layers):
+        row[np.searchsorted(steps, s)] = v
+    return replace(run, series={**run.series, MAX_LOGIT: (steps, grid.max(axis=0))})
 
 
 def layer_count(runs: Sequence[RunMetrics]) -> int:
