@@ -14,9 +14,10 @@
 # the data preparation). Environment: PYTHON (default python3); STUDY_ALLOW_CPU=1 runs without a GPU
 # (the test suite runs this script at tiny size on CPU that way); STUDY_GPU_WHEELS, the folder of carried
 # wheels (default .whl; empty: install none, use the environment's packages, as the test does);
-# STUDY_GPU_DEADLINE_S, seconds from the script's start after which the study is stopped (its runs killed)
-# and what it has written is archived all the same: for a lease shorter than the study (default: none).
-# Runs stopped there hold their metrics so far; rerunning the same command resumes them from checkpoints.
+# STUDY_GPU_DEADLINE_S, whole seconds from the script's start after which the study and its runs are sent
+# SIGTERM (each run checkpoints and stops after its current step; the script waits for them up to 90 s, so
+# allow ~2 min past the deadline with the archive) and what was written is archived all the same: for a
+# lease shorter than the study (default: none). Rerunning the same command resumes the runs.
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/study_gpu.sh OUT [study options ...]}
 shift
@@ -51,6 +52,7 @@ EOF
 stamp "study: $PYTHON -m musiclm_stab.cli study --scale gpu --work $OUT/work --runs $OUT/runs $*"
 LIMIT=()
 if [ -n "${STUDY_GPU_DEADLINE_S:-}" ]; then
+    [[ "$STUDY_GPU_DEADLINE_S" =~ ^[0-9]+$ ]] || { stamp "STUDY_GPU_DEADLINE_S must be whole seconds, got '$STUDY_GPU_DEADLINE_S'"; exit 2; }
     # timeout signals its own process group: the study and every run it launched
     LEFT=$(( STUDY_GPU_DEADLINE_S - ($(date +%s) - START) ))
     LIMIT=(timeout --kill-after=15 "$(( LEFT > 1 ? LEFT : 1 ))")  # (timeout 0 would mean no limit)
@@ -69,10 +71,13 @@ stamp "study exited with $STATUS after $(( $(date +%s) - START )) s"
 # One archive (the device tool returns few files): figures, tables, and each run's config and metrics.
 STUDY_DIR="$OUT/runs/study_gpu"
 for arg in "$@"; do case "$arg" in --name=*) STUDY_DIR="$OUT/runs/${arg#--name=}";; esac; done
-if [ -d "$STUDY_DIR" ]; then
-    (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' \
-        $(ls -d figures */config.yaml */metrics.jsonl */tokenizer.json */study_time.json */probe/probe.json data.json \
-            logs 2>/dev/null))  # probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
+# probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
+KEPT=$(cd "$STUDY_DIR" 2>/dev/null && ls -d figures */config.yaml */metrics.jsonl */tokenizer.json */study_time.json \
+    */probe/probe.json data.json logs 2>/dev/null || true)
+if [ -n "$KEPT" ]; then
+    (cd "$STUDY_DIR" && tar -czf "$OUT/study_gpu.tar.gz" --exclude='*.pdf' $KEPT)
     stamp "results: $OUT/study_gpu.tar.gz ($(du -h "$OUT/study_gpu.tar.gz" | cut -f1))"
+else
+    stamp "nothing to archive: the study wrote nothing under $STUDY_DIR"
 fi
 exit "$STATUS"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import select
 import sys
 
 # subcommand -> (module, one-line help, reference page). Each module exposes ``cli_main(argv) -> int``, and its
@@ -65,9 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         status = int(module.cli_main(argv[1:]) or 0)
         sys.stdout.flush()  # output shorter than the buffer is written here, not at exit, where a failure is noise
         return status
-    except BrokenPipeError:  # the reader went away (`study --print-only | head`): stop quietly, as a shell tool
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+    except BrokenPipeError:
+        if not _reader_gone(sys.stdout):
+            raise  # another pipe (a worker, a subprocess): a real error
+        # stdout's reader went away (`study --print-only | head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
         return 141  # 128 + SIGPIPE, what the shell reports for such a command
+
+
+def _reader_gone(stream) -> bool:
+    """Whether ``stream`` is a pipe whose reading end is closed (poll reports an error on its writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll on this platform
+        return False
 
 
 if __name__ == "__main__":

@@ -22,15 +22,17 @@ REPO = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py with a fault (TRAIN_FAULT)
 
 
-def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """The tiny recipe as a subprocess; through tests/train_faults.py when ``env`` sets TRAIN_FAULT."""
+def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """The tiny recipe as a subprocess; through tests/train_faults.py when ``env`` sets TRAIN_FAULT; ``popen``:
+    more arguments of ``subprocess.Popen``."""
     script = FAULTS if env and "TRAIN_FAULT" in env else REPO / "recipes" / "pretrain.py"
     cmd = [sys.executable, str(script), "--config", str(REPO / "recipes" / "tiny.yaml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}", "--data.crop_seconds=2.0",
            "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=2",
            "--train.checkpoint_every=2", "--train.keep_checkpoints=10", *extra]
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -161,6 +163,38 @@ def test_sigterm_checkpoints_and_exits_cleanly(tokenized_dataset, tmp_path):
     last = rows(tmp_path / "t")[-1]["step"]
     ckpt = checkpoint.newest_valid(tmp_path / "t")
     assert ckpt is not None and checkpoint.checkpoint_step(ckpt) == last < 1000
+
+
+def test_sigterm_to_the_whole_process_group_with_loader_workers_still_checkpoints(tokenized_dataset, tmp_path):
+    """Schedulers (and study_gpu.sh's deadline) signal the whole process group, the DataLoader workers too:
+    the workers ignore SIGTERM and SIGINT (they end with the trainer), so the trainer still stops after its
+    step with a checkpoint of it, rather than dying of 'DataLoader worker ... killed by signal'."""
+    proc = start(tokenized_dataset, tmp_path, "g", "--train.max_steps=1000", "--train.checkpoint_every=1000",
+                 "--data.num_workers=2", start_new_session=True)
+    try:
+        wait_for_step(proc, tmp_path / "g", 2)
+        deadline = time.time() + 60  # the workers are up (the trainer and its 2 in the group): now signal them all
+        while len(subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()) < 3:
+            assert time.time() < deadline and proc.poll() is None, "the loader's workers never came up"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "stopped by SIGTERM" in out, out[-3000:]
+    ckpt = checkpoint.newest_valid(tmp_path / "g")
+    assert ckpt is not None and checkpoint.checkpoint_step(ckpt) == rows(tmp_path / "g")[-1]["step"] < 1000
+    deadline = time.time() + 60  # and no worker outlives the trainer
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("a DataLoader worker outlived the trainer")
 
 
 def test_damaged_checkpoint_is_skipped(tokenized_dataset, tmp_path):

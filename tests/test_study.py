@@ -49,6 +49,11 @@ EXTRA = ["acoustic_mlm_loss_codebooks.png", "grad_norm_log.png", "max_attn_logit
          "eval.png"]
 
 
+# The tiny model and batches the end-to-end study tests run
+TINY = ["model.size=tiny", "model.cqt_bins=84", "model.cqt_bins_per_octave=12", "train.log_every=1",
+        "data.batch_size=2", "data.crop_seconds=2.0", "data.eval_fraction=0.3", "data.num_workers=0"]
+
+
 def test_full_print_only_lines_are_the_recipes(tmp_path, capsys):
     """--scale full --print-only prints one valid launch line per recipe and lr of the grid (legend order within
     an lr), the QK-norm control at the two top rates, then the plot line (the figure lr's four runs) and the
@@ -150,6 +155,7 @@ def test_gpu_plan_is_base_fp16_past_warmup(tmp_path):
         assert (cfg.train.max_steps, cfg.optim.warmup_steps, cfg.train.fp16_scale_window) == (1000, 80, 32)
         m = cfg.model  # MERT-330M's regularization, as at the cpu scale
         assert (m.dropout, m.attention_dropout, m.feature_dropout, m.layerdrop, m.feature_grad_mult) == (0, 0, 0, 0, 1)
+        assert cfg.data.mixup_max_seconds == 1.5
         assert cfg.train.eval_every and cfg.train.diagnostics_every
         assert cfg.run_dir == tmp_path / "study_gpu" / f"{run.stem}_gpu_{lr_tag(run.lr)}_s0"
     for run, label in zip(figure_runs(study), LABELS):
@@ -161,9 +167,7 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     """benchmarks/study_gpu.sh, the GPU study's one script, runs the whole path at tiny size on CPU: 4 real
     runs through accelerate (2 at a time), the figures with bands and extras, the claims table, one archive."""
     out = tmp_path / "out"
-    tiny = ["model.size=tiny", "model.cqt_bins=84", "model.cqt_bins_per_octave=12", "train.mixed_precision=no",
-            "train.log_every=1", "data.batch_size=2", "data.crop_seconds=2.0", "data.eval_fraction=0.3",
-            "data.num_workers=0"]
+    tiny = [*TINY, "train.mixed_precision=no"]
     # STUDY_GPU_WHEELS empty: this venv's packages, not the GPU machine's wheels that benchmarks/gpu_prep.sh or
     # study_gpu_wheels.sh may have left in .whl/ (built for its Python, 3.12)
     env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
@@ -259,10 +263,6 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
 
 
-TINY = ["model.size=tiny", "model.cqt_bins=84", "model.cqt_bins_per_octave=12", "train.log_every=1",
-        "data.batch_size=2", "data.crop_seconds=2.0", "data.eval_fraction=0.3", "data.num_workers=0"]
-
-
 @pytest.mark.slow
 def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_dataset, tmp_path, capsys):
     """A run stopped by fp16's loss-scale floor exits with EXIT_DIVERGED, which `accelerate launch` reports as 1:
@@ -288,16 +288,16 @@ def test_gpu_study_script_stops_at_its_deadline_and_archives_what_it_has(tokeniz
     checkpoint and end, and the archive holds what was written; no run is left running."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "STUDY_ALLOW_CPU": "1", "OMP_NUM_THREADS": "1",
-           "STUDY_GPU_WHEELS": "", "STUDY_GPU_DEADLINE_S": "20"}
+           "STUDY_GPU_WHEELS": "", "STUDY_GPU_DEADLINE_S": "40"}
     proc = run_group(["bash", str(REPO / "benchmarks" / "study_gpu.sh"), str(out), "--steps", "100000", "--lrs",
                       "1e-3", "--no-control", "--only", "study_prenorm_clip1_run2", "--data", str(tokenized_dataset),
                       "--set", *TINY, "train.mixed_precision=no"], timeout=300, env=env)
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "study stopped at the deadline of 20 s" in (out / "study_gpu.log").read_text()
+    assert "study stopped at the deadline of 40 s" in (out / "study_gpu.log").read_text()
     with tarfile.open(out / "study_gpu.tar.gz") as tar:
         assert "data.json" in tar.getnames()
-    left = subprocess.run(["pgrep", "-f", f"--train.output_dir={out}/runs"], capture_output=True, text=True)
-    assert left.stdout == "", left.stdout
+    left = subprocess.run(["pgrep", "-f", "--", f"--train.output_dir={out}/runs"], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout == "", (left.returncode, left.stdout, left.stderr)  # 1: none
 
 
 def test_machine_names_the_cpu_and_the_kernels_in_use():
@@ -410,6 +410,21 @@ def test_print_only_into_a_closed_pipe_stops_quietly(tmp_path):
         finally:
             os.close(write)
         assert proc.stderr == "" and proc.returncode == 141, proc.stderr[-2000:]
+
+
+def test_a_broken_pipe_other_than_stdout_is_an_error(monkeypatch):
+    """Only stdout's closed reader is a quiet stop: a broken pipe to a worker or a subprocess is raised."""
+    import types
+
+    from musiclm_stab import cli
+
+    def broken(argv):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setitem(cli.COMMANDS, "broken", ("a module", "help", "page"))
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: types.SimpleNamespace(cli_main=broken))
+    with pytest.raises(BrokenPipeError, match="a worker's pipe"):
+        cli.main(["broken"])
 
 
 def test_probe_every_first_seed_needs_probe(tmp_path, capsys):

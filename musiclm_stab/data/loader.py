@@ -3,6 +3,8 @@ deterministic held-out batches that ``musiclm-stab evaluate`` and ``train.eval_e
 
 from __future__ import annotations
 
+import signal
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import send_to_device
@@ -71,12 +73,44 @@ def build_data(cfg: Config, accelerator: Accelerator, tokenizer_info_out: dict):
     # Its own generator: starting an epoch's iterator must not draw from the global RNG (dropout's), or a
     # resumed run would diverge from an uninterrupted one.
     common = dict(collate_fn=collator, num_workers=dcfg.num_workers, pin_memory=torch.cuda.is_available(),
-                  generator=torch.Generator().manual_seed(cfg.train.seed))
+                  generator=torch.Generator().manual_seed(cfg.train.seed), worker_init_fn=ignore_stop_signals)
     if dcfg.streaming:
         return DataLoader(dataset, batch_size=None, **common), (dataset, collator), held_out
     sampler = EpochSampler(len(dataset), seed=order)
     loader = DataLoader(dataset, batch_size=dcfg.batch_size, sampler=sampler, drop_last=True, **common)
     return loader, (dataset, sampler, collator), held_out
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # the graceful stop's (training/stop.py)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT. Schedulers, `timeout` and Ctrl-C signal the whole process
+    group, and a worker killed mid-step makes torch raise in the trainer ('DataLoader worker ... killed by
+    signal') before its graceful stop can checkpoint. The trainer stops after its step; the workers end with
+    it (torch's workers exit when their parent is gone). The workers start with these signals blocked
+    (``started``), so one sent while a worker starts is dropped here, not fatal before this runs."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def started(batches):
+    """``batches`` iterated with its first item fetched while SIGTERM and SIGINT are blocked in this thread:
+    the loader's workers start (fork) then and inherit the block until ``ignore_stop_signals``. A stop signal
+    sent meanwhile to the trainer is delivered when the block ends: the graceful stop is only delayed."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        it = iter(batches)
+        first = next(it, _END)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    if first is not _END:
+        yield first
+        yield from it
+
+
+_END = object()
 
 
 def held_out_loader(cfg: Config, dataset: CropDataset, batch_size: int = EVAL_BATCH_SIZE, seed: int = EVAL_SEED,
@@ -109,5 +143,5 @@ def micro_batches(loader, epoch_objects, accelerator: Accelerator, consumed: int
         else:
             loader.set_epoch(epoch)
             it = accelerator.skip_first_batches(loader, skip) if skip else loader
-        yield from it
+        yield from started(it)
         epoch, skip = epoch + 1, 0

@@ -261,6 +261,16 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
     return [dest / d.name for d in finished]
 
 
+def _diverged(run_dir: Path) -> bool:
+    """Whether the run's metrics record fp16's loss-scale floor (a min_loss_scale event)."""
+    from musiclm_stab.analysis.runs import read_run
+
+    try:
+        return (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).diverged_at is not None
+    except (OSError, ValueError):  # unreadable metrics: the launch's failure is what to report
+        return False
+
+
 def run_study(study: Study, accelerate: str | None = None, threads: int | None = None, jobs: int = 1,
               formats: tuple[str, ...] = ("png", "pdf"), probe: bool = False,
               probe_every_first_seed: bool = False) -> list[Path]:
@@ -342,7 +352,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
             log.close()
         # A diverged run (fp16 loss scale at its floor) is a result. recipes/pretrain.py exits with EXIT_DIVERGED, but
         # `accelerate launch` turns any failure of its child into exit 1: the run's metrics say whether it diverged.
-        if proc.returncode not in (0, EXIT_DIVERGED) and run_state(configs[i]) != "done":
+        if proc.returncode not in (0, EXIT_DIVERGED) and not _diverged(configs[i].run_dir):
             for other, (p, _, lg) in active.items():  # stop the others: the study is incomplete anyway
                 if other != i and p.poll() is None:
                     p.terminate()
