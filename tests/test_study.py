@@ -465,12 +465,12 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
     assert sorted(d.name for d in dirs) == sorted(planned), "the committed study is the whole plan"
 
 
-def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is():
+def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is(tmp_path):
     """docs/study_cpu/figures/ holds what `study --scale cpu --probe` drew from the 42 carried runs: claims.json
     read every run, summary.json gives each run its lr, precision, fp16 mode and the held-out unigram level it
-    is judged against, and docs/STUDY.md carries the claims table as generated and quotes the learns line
-    and the verdicts from claims.json."""
-    from musiclm_stab.analysis.claims import DOC_BEGIN, DOC_END
+    is judged against; the carried runs give the committed claims.md again; docs/STUDY.md carries that table as
+    generated and, with the README, quotes the learns line and the verdicts from claims.json."""
+    from musiclm_stab.analysis.claims import DOC_BEGIN, DOC_END, write_claims
 
     figures = REPO / "docs" / "study_cpu" / "figures"
     planned = {r.config().run_dir.name for r in plan_study("cpu", "runs", data="work/hours256_tokens").runs}
@@ -482,6 +482,9 @@ def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is():
         assert r["lr"] > 0 and r["precision"] == "fp16" and r["fp16_mode"] == "fairseq", r["run"]
         assert 9.0 < r["unigram_eval_cb0"] < 9.5, r["run"]
         assert r["diverged_at"] is not None or r["final_eval_cb0"] < r["unigram_eval_cb0"] + 1, r["run"]
+    unigram = claims["learns"]["eval"]["unigram_eval_cb0"]
+    again, _ = write_claims([REPO / "docs" / "study_cpu" / "runs"], tmp_path, unigram)
+    assert again.read_text() == (figures / "claims.md").read_text()
     text = (REPO / "docs" / "STUDY.md").read_text()
     table = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
     assert table.strip() == (figures / "claims.md").read_text().strip()
@@ -490,12 +493,12 @@ def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is():
     assert f"{learns['eval']['eval_cb0']:.3f} bits, {learns['eval']['below_unigram']:.3f} below" in text
     for c in claims["claims"]:
         assert f"({c['key']}) {c['verdict']}" in text, c["key"]
-    readme = (REPO / "README.md").read_text()  # the front door quotes the same result
+    readme = " ".join((REPO / "README.md").read_text().split())  # the front door quotes the same result
     assert f"{learns['eval']['below_unigram']:.3f} bits below the held-out unigram" in readme
     verdicts = [c["verdict"] for c in claims["claims"]]
     assert verdicts == ["refuted", "inconclusive", "inconclusive", "inconclusive"]
-    assert f"Holm-adjusted p\n{claims['claims'][0]['p_adjusted']:.3g})" in readme
-    assert "Claim (a) is\n**refuted**" in readme and "Claims (b), (c), (d) are **inconclusive**" in readme
+    assert f"Holm-adjusted p {claims['claims'][0]['p_adjusted']:.3g})" in readme
+    assert "Claim (a) is **refuted**" in readme and "Claims (b), (c), (d) are **inconclusive**" in readme
 
 
 def test_committed_gpu_study_is_the_gpu_plan_at_400_steps_and_quoted_as_it_is():
