@@ -27,7 +27,10 @@ A ``Precision`` does, for the trainer, what depends on the number format (``make
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,9 @@ from musiclm_stab.model.fp16_arith import Fp16Emulation, emulation, round_fp16, 
 from musiclm_stab.training.loss_scaler import DynamicLossScaler
 
 MASTER_KEY = "fp32_master_params"  # where the fp32 master weights ride in the optimizer's state dict
+# How `accelerate launch` passes its --mixed_precision (or its config file's mixed_precision) to the script
+# (accelerate/utils/launch.py, every launcher), read by AcceleratorState when Accelerator gets none.
+ACCELERATE_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
 
 
 @dataclass
@@ -47,6 +53,35 @@ class StepResult:
     grad_norm: float  # total norm of the unscaled gradients before clipping (inf or NaN when not finite)
     applied: bool  # the optimizer updated the parameters
     overflow: bool  # fp16: the scaled gradients overflowed, the update was skipped and the loss scale lowered
+
+
+def launched_precision(cfg: Config, environ: Mapping[str, str] = os.environ) -> tuple[Config, str | None]:
+    """``cfg`` with the mixed precision ``accelerate launch`` was asked for, and a line that says what changed
+    (None: nothing did). The trainer passes its own precision to Accelerator, which would otherwise set
+    accelerate's aside without a word.
+
+    accelerate sets ACCELERATE_MIXED_PRECISION on every launch, to "no" when neither its flag nor its config
+    file names one: "no" is no request, and the config decides (to train a bf16 recipe in fp32, set
+    train.mixed_precision=no). bf16 makes the run bf16. fp16 in accelerate is torch amp with a GradScaler,
+    this project's train.fp16_mode=amp: a config already in fp16 keeps its own mode (fairseq's, as the study
+    recipes), any other becomes fp16 amp. Anything else (fp8) is refused: ConfigError naming both values.
+    The run's config.yaml records the precision it trained in.
+    """
+    asked = environ.get(ACCELERATE_PRECISION_ENV, "no").strip().lower()
+    tcfg = cfg.train
+    if asked in ("", "no") or asked == tcfg.mixed_precision:
+        return cfg, None
+    source = f"accelerate launch ({ACCELERATE_PRECISION_ENV}={asked}: --mixed_precision or its config file)"
+    if asked == "bf16":
+        train = dataclasses.replace(tcfg, mixed_precision="bf16")
+    elif asked == "fp16":
+        train = dataclasses.replace(tcfg, mixed_precision="fp16", fp16_mode="amp")
+    else:
+        raise ConfigError(f"{source} asks for mixed precision {asked}, which this trainer does not have; the config "
+                          f"says train.mixed_precision={tcfg.mixed_precision} (choices: no, bf16, fp16)")
+    said = f"{train.mixed_precision}{' (fp16_mode=amp, as accelerate computes fp16)' if asked == 'fp16' else ''}"
+    return (dataclasses.replace(cfg, train=train).validate(),
+            f"training in {said}, as {source} asks, not in the config's train.mixed_precision={tcfg.mixed_precision}")
 
 
 def fp16_impl(tcfg: TrainConfig, device: torch.device | str) -> str:

@@ -34,7 +34,7 @@ from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED, MinLossScaleError
 from musiclm_stab.training.optim import build_optimizer, lr_lambda
-from musiclm_stab.training.precision import FairseqFp16, make_precision
+from musiclm_stab.training.precision import FairseqFp16, launched_precision, make_precision
 from musiclm_stab.training.registered import Registered
 from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
@@ -63,6 +63,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, resume: bool = False):
         cfg = cfg.resolved()  # per-size values and the warmup filled in (load_config's already are)
+        # accelerate launch's --mixed_precision (or its config file's) is obeyed, and said: precision.py
+        cfg, precision_note = launched_precision(cfg)
         tcfg, ocfg = cfg.train, cfg.optim
         self.accelerator = accelerator = Accelerator(
             # fp16 is ours (training/precision.py: fairseq's or amp's, on any device); bf16 is accelerate's autocast
@@ -78,6 +80,8 @@ class Trainer:
             step_scheduler_with_optimizer=False,
             project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir)),
         )
+        if precision_note:
+            accelerator.print(precision_note)
         launched = int(os.environ.get("WORLD_SIZE", "1"))  # not every launcher sets it: only refuse > 1 vs 1
         if launched > 1 and accelerator.num_processes == 1:
             raise ConfigError(
