@@ -1,5 +1,5 @@
-"""The package's shape: data flows one way (the training side never loads the tokenizer or the export
-writer) and no module imports itself back through others."""
+"""The package's shape: its layers import only downwards (LAYERS), data flows one way (the training side never
+loads the tokenizer or the export writer) and no module imports itself back through others."""
 
 from __future__ import annotations
 
@@ -24,16 +24,45 @@ READ_SIDE = ["musiclm_stab.training.trainer", "musiclm_stab.analysis.evaluate", 
 # package itself; tokenized data is read through musiclm_stab.data.tokenized only
 FORBIDDEN = ("musiclm_stab.tokenizer", "encodec", "musiclm_stab.export.hubert", "transformers")
 
+# The package's layers, lowest first, by component (the folder under musiclm_stab/, or a top-level module's
+# name; "" is musiclm_stab/__init__.py, the constants every part imports). A module imports modules of its
+# own component and of components in lower layers: never a layer above, nor a peer of its own layer (peers
+# are independent: the tokenizer and the training side, for instance). docs/DESIGN.md draws the same order.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("",),  # the constants (the API it names is loaded on first use, not imported: test_package_root_...)
+    ("config", "durable", "host", "threads", "output_errors"),
+    ("audio", "corpus", "model"),
+    ("data",),
+    ("tokenizer", "training"),
+    ("export",),  # a trained encoder elsewhere: transformers export, features
+    ("analysis",),  # reads run directories: figures, evaluation, claims, probes (probes take features)
+    ("experiments",),  # jobs made of the parts: quickstart, the study, the sweep
+    ("api", "cli", "recipes"),  # entry points: the Python API, the command line, recipes/pretrain.py
+)
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for type checkers only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+
+
 def _imports(path: Path) -> set[str]:
-    """musiclm_stab modules a file imports anywhere (module level or inside functions)."""
+    """musiclm_stab modules a file imports anywhere at run time (module level or inside functions; not those
+    imported for type checkers only)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("musiclm_stab")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("musiclm_stab"):
@@ -93,6 +122,32 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def _component(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    """Every module imports only its own component and lower layers (LAYERS), function-level imports included:
+    analysis never reaches into experiments, the training side never into the tokenizer or export."""
+    graph = _graph()
+    layer = {c: i for i, names in enumerate(LAYERS) for c in names}
+    unplaced = sorted({_component(m) for m in graph} - set(layer))
+    assert not unplaced, f"components with no place in LAYERS (put each in its layer): {unplaced}"
+    upward = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+              if _component(d) != _component(m) and layer[_component(d)] >= layer[_component(m)]]
+    assert not upward, "imports of a layer above, or of a peer: " + "; ".join(upward)
+
+
+def test_layer_check_sees_an_upward_import(tmp_path):
+    """The layer check's reading of a file finds an upward import inside a function, and skips one made for
+    type checkers only."""
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from musiclm_stab.api import train\n"
+                      "def f():\n    from musiclm_stab.experiments import launch\n")
+    assert _imports(module) == {"musiclm_stab.experiments.launch"}
 
 
 def test_package_holds_no_test_hooks():

@@ -10,15 +10,15 @@ import pytest
 import torch
 from matplotlib.colors import same_color
 
-from musiclm_stab.config import ConfigError, load_config
-from musiclm_stab.experiments.sweep import cli_main, run_sweep, scheme_label, scheme_overrides
-from musiclm_stab.experiments.sweep_report import (
+from musiclm_stab.analysis.sweep_report import (
     SweepResult,
     format_table,
     lr_sensitivity,
     make_sweep_figure,
     sensitivities,
 )
+from musiclm_stab.config import ConfigError, load_config
+from musiclm_stab.experiments.sweep import cli_main, run_sweep, scheme_label, scheme_overrides
 
 
 def result(

@@ -58,8 +58,8 @@ from musiclm_stab.analysis.claim_stats import (
 from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
 from musiclm_stab.analysis.lr_grid import grid_markdown, summarise_grid
 from musiclm_stab.analysis.runs import RunMetrics, read_run
-from musiclm_stab.experiments.study_codes import run_codes_sha256
-from musiclm_stab.experiments.sweep_report import lr_text
+from musiclm_stab.analysis.study_record import run_codes_sha256
+from musiclm_stab.analysis.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
            "analyse", "claims_of", "cli_main", "codes_lines", "codes_of_blocks", "control_of", "fill_doc",

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from musiclm_stab.analysis.claim_stats import ROLE_TITLES, ROLES, RunStats, probe_vs_random_init
-from musiclm_stab.experiments.sweep_report import lr_sensitivity, lr_text
+from musiclm_stab.analysis.sweep_report import lr_sensitivity, lr_text
 
 BOOTSTRAP = 2000
 LEARN_MARGIN = 0.5

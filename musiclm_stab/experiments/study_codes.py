@@ -5,7 +5,8 @@ run on one set of codes, recorded in ``data.json`` as the sha256 of the tokenize
 (``codes_sha256``); a piece on other codes is refused. Where the study's codes can no longer be had, the study
 may go on with other codes as a *declared deviation* (``switch_codes``, ``musiclm-stab study --switch-codes
 WHY``): ``data.json`` then keeps, under ``earlier_codes``, each earlier codes sha256 with the runs that trained
-on them, when, where and why, and ``codes_of`` says for every run which codes it trained on.
+on them, when, where and why, and ``codes_of`` says for every run which codes it trained on. Reading the record
+(``read_record``, ``codes_of``, ``run_codes_sha256``) lives in analysis/study_record.py, which the claims use too.
 """
 
 from __future__ import annotations
@@ -14,21 +15,18 @@ import json
 import time
 from pathlib import Path
 
+from musiclm_stab.analysis.study_record import (
+    DATA_RECORD,
+    RUN_TIME_FILE,
+    codes_of,
+    read_record,
+    run_codes_sha256,
+)
 from musiclm_stab.config import ConfigError
 from musiclm_stab.host import machine
 
 __all__ = ["DATA_RECORD", "RUN_TIME_FILE", "check_study_data", "codes_of", "merge_records", "read_record",
            "run_codes_sha256", "switch_codes"]
-
-DATA_RECORD = "data.json"
-RUN_TIME_FILE = "study_time.json"  # written for each finished run (experiments/study.py)
-
-
-def read_record(folder: str | Path) -> dict | None:
-    """FOLDER/data.json, or None when there is none."""
-    record = Path(folder) / DATA_RECORD
-    return json.loads(record.read_text()) if record.is_file() else None
-
 
 def check_study_data(folder: Path, data: str | Path) -> str:
     """The sha256 of ``data``'s codes, checked against FOLDER/data.json, the record of the codes the study's
@@ -90,21 +88,6 @@ def switch_codes(folder: str | Path, data: str | Path, why: str) -> dict:
     new = {"data": str(data), "codes_sha256": sha, "earlier_codes": [*record.get("earlier_codes", []), earlier]}
     (folder / DATA_RECORD).write_text(json.dumps(new, indent=1) + "\n")
     return new
-
-
-def codes_of(record: dict, name: str) -> str | None:
-    """The codes sha256 run ``name`` trained on, by ``record`` (a data.json): that of the earlier codes that
-    list it, else the recorded codes."""
-    for earlier in record.get("earlier_codes", []):
-        if name in earlier.get("runs", []):
-            return earlier.get("codes_sha256")
-    return record.get("codes_sha256")
-
-
-def run_codes_sha256(run_dir: str | Path) -> str | None:
-    """The codes sha256 the run in ``run_dir`` trained on, by its study folder's data.json (None: no record)."""
-    record = read_record(Path(run_dir).parent)
-    return None if record is None else codes_of(record, Path(run_dir).name)
 
 
 def merge_records(ours: dict, theirs: dict | None, where: Path) -> dict:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from musiclm_stab.analysis.sweep_report import lr_text
 from musiclm_stab.config import Config, load_config
 from musiclm_stab.experiments.launch import RECIPES, as_overrides, launch_command, shown
-from musiclm_stab.experiments.sweep_report import lr_text
 
 # The study's runs in legend order: colour i of analysis/style.COLOURS is run i (blue, orange, green, pink).
 STUDY_RECIPES = (

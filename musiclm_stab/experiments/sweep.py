@@ -14,7 +14,7 @@ over the lr grid, where initial_loss is the run's loss at initialization (its st
 before the first update, the same at every lr of a scheme since init and first batch are seeded). A
 run whose final loss is non-finite, or above its initial loss, is *diverged* and counted at the cap,
 initial_loss. Outputs in --out: ``lr_sensitivity.png``/``.pdf`` (final loss vs lr, one line per
-scheme), ``sweep.json`` and ``sweep.csv`` (one row per run; experiments/sweep_report.py), and the run
+scheme), ``sweep.json`` and ``sweep.csv`` (one row per run; analysis/sweep_report.py), and the run
 directories under ``runs/``.
 """
 
@@ -30,15 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
-from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
-from musiclm_stab.experiments.sweep_report import (
+from musiclm_stab.analysis.sweep_report import (
     DEFAULT_LAST,
     SweepResult,
     format_table,
     lr_text,
     write_outputs,
 )
+from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
+from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
 
 DEFAULT_RECIPE = RECIPES / "tiny.yaml"
 # Defaults: the sweep of docs/STUDY.md (~18 min of training on 2 shared cores, bf16 given by --set there).

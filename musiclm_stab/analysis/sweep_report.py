@@ -1,5 +1,6 @@
 """A sweep's results: the LR sensitivity of each scheme, the table, the figure and the files
-(sweep.json, sweep.csv, lr_sensitivity.png/.pdf); experiments/sweep.py runs the sweep."""
+(sweep.json, sweep.csv, lr_sensitivity.png/.pdf); experiments/sweep.py runs the sweep. Here, in analysis/,
+because the study's claims and its lr grid (claims.py, lr_grid.py) use its sensitivity and lr labels too."""
 
 from __future__ import annotations
 
