@@ -208,3 +208,73 @@ def test_cli_export(tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "musiclm_stab.json").read_text())["source"]["step"] == 1
     assert cli_main([str(run), str(tmp_path / "hf")]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def _card_run(root: Path, evaluated: bool) -> Path:
+    """A tiny run directory with the record a trained run has: its data's tokenizer.json, metrics.jsonl and,
+    when ``evaluated``, eval/step_00000001.json as `musiclm-stab evaluate` writes it."""
+    run = make_run(root / "run", norm_scheme="pre")
+    cfg = Config()
+    for k, v in TINY.items():
+        setattr(cfg.model, k, v)
+    cfg.train.name, cfg.data.path, cfg.train.max_steps = "card-run", "work/bach_tokens", 7
+    save_config(cfg.validate(), run / "config.yaml")
+    (run / "tokenizer.json").write_text(json.dumps({
+        "model": "encodec_24khz", "weights": "local", "weights_sha256": "ab" * 32, "num_codebooks": 8,
+        "codebook_size": 1024, "frame_rate": 75, "weights_note": "weights fitted on the chorales",
+        "source": "work/bach", "source_kind": "folder", "num_tracks": 24, "total_seconds": 1320.0}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.9, "eval/acoustic_mlm_loss/cb0": 9.75}) + "\n")
+    if evaluated:
+        (run / "eval").mkdir()
+        (run / "eval" / "step_00000001.json").write_text(json.dumps({
+            "eval/acoustic_mlm_loss/cb0": 9.512, "unit": "bits", "split": "eval", "data": "work/bach_tokens",
+            "num_segments": 12, "masked_frames": 3456, "step": 1}))
+    return run
+
+
+def test_export_writes_a_model_card_from_the_runs_record(tmp_path):
+    """The export's README.md says what the model is, its data and tokenizer, config, steps and held-out
+    codebook-0 loss (eval/step_N.json), and how to load it: its code block loads the export and runs."""
+    run = _card_run(tmp_path, evaluated=True)
+    export(run, tmp_path / "hf", seconds=2)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    for fact in ("card-run", "2-layer transformer (128 wide, 4 heads, norm scheme `pre`", "1 of 7",
+                 "`work/bach_tokens`", "`work/bach`", "24 tracks, 0.37 h of audio", "weights fitted on the chorales",
+                 "**9.512 bits** at step 1", "12 segments", "HubertModel.from_pretrained", "pad_for_export",
+                 "AdamW, peak lr", "| precision | fp32 |"):
+        assert fact in card, fact
+    code = card.split("```python\n")[1].split("```")[0].replace("path/to/this/folder", str(tmp_path / "hf"))
+    scope = {"wav": torch.zeros(1, 24_000)}
+    exec(code, scope)
+    assert len(scope["out"].hidden_states) == 3 and scope["out"].hidden_states[-1].shape == (1, 75, 128)
+
+
+def test_model_card_without_an_evaluation_says_where_the_loss_comes_from(tmp_path):
+    """Without eval/step_N.json the card takes the step's eval/ column of metrics.jsonl (train.eval_every),
+    and without either it says how to get the loss instead of inventing one."""
+    run = _card_run(tmp_path, evaluated=False)
+    export(run, tmp_path / "hf", seconds=2)
+    assert "**9.750 bits** at step 1, evaluated during training" in (tmp_path / "hf" / "README.md").read_text()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.9}) + "\n")
+    export(run, tmp_path / "hf", seconds=2, overwrite=True)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "not recorded for this step: run `musiclm-stab evaluate RUN`" in card and "bits**" not in card
+
+
+def test_export_without_transformers_names_the_extra(tmp_path):
+    """With transformers not importable, `musiclm-stab export` fails in one line naming the `export` extra
+    (exit 2, no traceback) and writes nothing."""
+    import subprocess
+    import sys
+
+    run = make_run(tmp_path / "run", norm_scheme="pre")
+    script = ("import sys; sys.modules['transformers'] = None\n"  # `import transformers` now raises ImportError
+              "from musiclm_stab.cli import main\n"
+              f"sys.exit(main(['export', {str(run)!r}, {str(tmp_path / 'hf')!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: export needs transformers"), proc.stderr
+    assert "pip install 'musiclm_stab[export]'" in lines[0]
+    assert not (tmp_path / "hf").exists()

@@ -5,8 +5,10 @@
 OUT_DIR then holds ``config.json`` + ``model.safetensors`` (loads with
 ``transformers.HubertModel.from_pretrained(OUT_DIR)``, no remote code), ``preprocessor_config.json``
 (``Wav2Vec2FeatureExtractor`` at 24 kHz, ``do_normalize=False``: our model sees raw samples),
-``heads.safetensors`` (the acoustic and musical heads, see ``load_heads``) and ``musiclm_stab.json``
-(provenance, padding, head settings and the verification report).
+``heads.safetensors`` (the acoustic and musical heads, see ``load_heads``), ``musiclm_stab.json``
+(provenance, padding, head settings and the verification report) and ``README.md``, the model card
+(export/card.py: what the model is, its data, config, steps and held-out codebook-0 loss, how to load it).
+Needs transformers: the ``export`` extra (``pip install 'musiclm_stab[export]'``).
 
 Padding, the one thing to know: our frontend pads 40 zero samples on each side of the waveform, so
 that 320*T samples give exactly T frames; HuBERT's does not pad (320*T samples give T-1 frames, each
@@ -56,22 +58,34 @@ from safetensors.torch import save_file
 from torch import nn
 
 from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
-from musiclm_stab.config import ConfigError, ModelConfig
+from musiclm_stab.config import ConfigError, ModelConfig, config_from_run
+from musiclm_stab.export.card import model_card
 from musiclm_stab.export.exported import HEADS_FILE, PAD_SAMPLES, PADDING_NOTE, SIDECAR, pad_for_export
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.frontend import CONV_LAYERS
 from musiclm_stab.model.norm_schemes import SchemeSpec, resolve_scheme
-from musiclm_stab.training.trained import load_checkpoint
+from musiclm_stab.training.trained import load_checkpoint, resolve_checkpoint
 
 ATOL, RTOL = 1e-4, 1e-4  # verification tolerance, fp32: |ours - hf| <= ATOL + RTOL * |ours|
 FORMAT_VERSION = 1
 # HuBERT builds masked_spec_embed only when SpecAugment is on: we keep HF's fine-tuning default rate
 # (it acts only in training mode); the pretraining masking is recorded in musiclm_stab.json.
 SPEC_AUGMENT_PROB = 0.05
+CARD = "README.md"  # the model card, where the transformers convention puts it
+INSTALL_HINT = "pip install 'musiclm_stab[export]'"
 
 
 class ExportError(ValueError):
     """The model cannot be exported exactly, or the exported model does not reproduce ours."""
+
+
+def require_transformers() -> None:
+    """transformers is importable, or ExportError saying which extra installs it."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ExportError(f"export needs transformers, which the `export` extra installs: {INSTALL_HINT} "
+                          f"({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------------------- mapping
@@ -315,9 +329,11 @@ def export(
 ) -> ExportResult:
     """Export the checkpoint at ``path`` (run dir: newest checkpoint) to ``out_dir``, verified.
 
-    Raises ExportError when the model cannot be expressed exactly (nothing is written) or when the
-    written model disagrees with ours beyond tolerance (it is left in ``<out_dir>.unverified``).
+    Raises ExportError when the model cannot be expressed exactly (nothing is written), when the
+    written model disagrees with ours beyond tolerance (it is left in ``<out_dir>.unverified``), or when
+    transformers is not installed (the ``export`` extra).
     """
+    require_transformers()
     from transformers import HubertModel, Wav2Vec2FeatureExtractor
     from transformers import __version__ as transformers_version
 
@@ -427,6 +443,12 @@ def export(
             f"{bad or 'none'}; left in {failed}\n"
             f"{verification.table()}"
         )
+    run_dir = resolve_checkpoint(path)[0]
+    tokenizer = run_dir / "tokenizer.json"
+    card = model_card(config_from_run(run_dir), run_dir.resolve(), step,
+                      json.loads(tokenizer.read_text()) if tokenizer.is_file() else None,
+                      sidecar["verification"], sum(p.numel() for p in loaded.parameters()))
+    (partial / CARD).write_text(card)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     partial.rename(out_dir)
