@@ -1,17 +1,22 @@
-"""Feature extraction: stitching plan, chunked vs whole pass, any length, export models, batch mode and CLI."""
+"""Feature extraction: stitching plan, chunked vs whole pass, any length, export models, batch mode and CLI;
+in batch mode output names never collide, an unreadable folder is recorded, an output error is one line."""
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from permissions import locked_folder
 from safetensors.torch import save_file
 from torch.testing import assert_close
 
+import musiclm_stab.export.feature_files as feature_files
 from musiclm_stab.config import Config, save_config
-from musiclm_stab.export.feature_files import cli_main
+from musiclm_stab.export.feature_files import cli_main, extract_folder
 from musiclm_stab.export.features import (
     chunk_plan,
     chunking_error,
@@ -166,3 +171,107 @@ def test_folder_batch_mode_and_cli(tmp_path, run_dir, model, make_music, capsys)
     assert cli_main(args) == 0 and "0 written, 2 skipped" in capsys.readouterr().out
     assert cli_main(args[:4] + ["1"]) == 2  # other layers into the same folder: refused
     assert "layers" in capsys.readouterr().err
+
+
+def test_folder_outputs_never_collide(tmp_path, model, make_music):
+    """a.wav, a.flac and a_wav.ogg get three folders (a.wav, a.flac, a_wav), each with its own file's
+    features; before, a.wav's went to a_wav and a_wav.ogg was 'skipped (existing)' with them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, name in enumerate(("a.wav", "a.flac", "a_wav.ogg")):
+        sf.write(src / name, make_music(1.0, seed=30 + i), SR)
+    summary = extract_folder(model, src, tmp_path / "out", layers=[0], chunk_seconds=2.0, progress=False)
+    assert sorted(w["output"] for w in summary.written) == ["a.flac", "a.wav", "a_wav"] and not summary.skipped
+    for w in summary.written:
+        ref = extract_features(w["source"], model, layers=[0], chunk_seconds=2.0)
+        assert np.array_equal(np.load(tmp_path / "out" / w["output"] / "layer_00.npy"), ref.layers[0].numpy())
+
+
+def test_folder_refuses_a_folder_an_earlier_version_gave_to_another_file(tmp_path, model, make_music):
+    """An output an earlier version named alike for two inputs (its manifest says out/a_wav holds a.wav's
+    features) is refused naming both inputs, not skipped as the other's."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(1.0, seed=33), SR)
+    extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    (out / "a").rename(out / "a_wav")  # as the earlier naming left it
+    manifest = json.loads((out / "features.json").read_text())
+    manifest["written"][0]["output"] = "a_wav"
+    (out / "features.json").write_text(json.dumps(manifest))
+    sf.write(src / "a_wav.ogg", make_music(1.0, seed=34), SR)
+    with pytest.raises(ValueError, match=rf"^{out / 'a_wav'} holds the features of {src / 'a.wav'} \(says "
+                       rf"{out / 'features.json'}\), not of {src / 'a_wav.ogg'}"):
+        extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+
+
+def test_folder_records_an_unreadable_folder(tmp_path, model, make_music):
+    """A subfolder the walk cannot list is in ``failed`` (and features.json) with kind unreadable; before, its
+    audio vanished without a record."""
+    src = tmp_path / "src"
+    (src / "locked").mkdir(parents=True)
+    sf.write(src / "a.wav", make_music(1.0, seed=35), SR)
+    sf.write(src / "locked" / "b.wav", make_music(1.0, seed=36), SR)
+    with locked_folder(src / "locked"):
+        summary = extract_folder(model, src, tmp_path / "out", layers=[0], chunk_seconds=2.0, progress=False)
+    assert [w["output"] for w in summary.written] == ["a"]
+    assert summary.failed == [{"source": str(src / "locked"), "kind": "unreadable",
+                               "reason": "cannot read the folder: Permission denied"}]
+    assert json.loads((tmp_path / "out" / "features.json").read_text())["failed"] == summary.failed
+
+
+def test_a_full_disk_stops_features_with_one_line(tmp_path, run_dir, make_music, monkeypatch, capsys):
+    """Room for one file's features: the CLI stops at the second with exit 1 and one line (the layer file,
+    "No space left on device", what is kept, "free some space"), the partial folder is gone, nothing is
+    recorded as a bad input; the rerun writes the other two. Before: an OSError traceback."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for i, name in enumerate(("a.wav", "b.wav", "c.wav")):
+        sf.write(src / name, make_music(1.0, seed=37 + i), SR)
+    args = [str(run_dir), str(src), str(out), "--layers", "0", "--chunk-seconds", "2", "--device", "cpu"]
+    left = [int(1.5 * 75 * 128 * 4)]  # bytes the disk still holds: one file's layer (75 frames x 128)
+    real_open = open
+
+    class Metered:  # the file's write() fails once the disk is full, as it does on a full disk (ENOSPC)
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            n = memoryview(data).nbytes
+            if n > left[0]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left[0] -= n
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def small_disk(file, mode="r", *a, **kw):
+        f = real_open(file, mode, *a, **kw)
+        return Metered(f) if "w" in mode else f
+
+    monkeypatch.setattr(feature_files, "open", small_disk, raising=False)
+    assert cli_main(args) == 1
+    *bar, err = capsys.readouterr().err.rstrip("\n").split("\n")  # the progress bar, then the error
+    assert all(line.startswith("\rfeatures:") for line in bar), bar
+    assert err.startswith(f"error: cannot write {out / '.b.partial'}: No space left on device")
+    assert err.endswith("Stopped; the 1 files whose features are written are kept: free some space, then rerun the "
+                        "same command to go on with the rest (it skips them)")
+    assert sorted(p.name for p in out.iterdir()) == ["a"]
+    monkeypatch.undo()
+    assert cli_main(args) == 0 and "2 written, 1 skipped (existing), 0 failed" in capsys.readouterr().out
+
+
+def test_an_output_under_a_file_is_one_line(tmp_path, run_dir, make_music, capsys):
+    """features into a folder under a file: exit 1, one line naming the file; before, a traceback."""
+    sf.write(tmp_path / "a.wav", make_music(1.0, seed=40), SR)
+    (tmp_path / "afile").write_text("not a folder")
+    out = tmp_path / "afile" / "out"
+    assert cli_main([str(run_dir), str(tmp_path / "a.wav"), str(out), "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == f"error: cannot create the output folder {out}: {tmp_path / 'afile'} is a " \
+        "file, not a folder\n"

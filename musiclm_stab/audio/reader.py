@@ -50,6 +50,7 @@ FAILURE_KINDS = {
     "silent": "peak below the silence threshold (tokenizer policy)",
     "too_short": "shorter than min_seconds, or no whole 320-sample frame at 24 kHz (tokenizer policy)",
     "bad_row": "a dataset row with no usable audio",
+    "repeated_folder": "a link to a folder already read (a cycle, or a second path to it): read once only",
     "error": "any other error while reading this one input (its type and message are given)",
 }
 # Odd but usable audio: kept, and reported to the caller in AudioStats.warnings (see AudioWarning).
@@ -83,6 +84,9 @@ class AudioError(ValueError):
         assert kind in FAILURE_KINDS, kind
         self.path, self.reason, self.kind = str(path), reason, kind
         super().__init__(f"{self.path}: {reason}")
+
+    def __reduce__(self):  # picklable (a track's payload travels to worker processes): by its three fields
+        return type(self), (self.path, self.reason, self.kind)
 
 
 @dataclass(frozen=True)
@@ -385,12 +389,96 @@ def _int_to_float(wave: torch.Tensor) -> torch.Tensor:
     return wave.to(torch.float32) / float(torch.iinfo(wave.dtype).max)
 
 
-def list_audio_files(folder: str | Path) -> list[Path]:
+def list_audio_files(folder: str | Path, problems: list[AudioError] | None = None) -> list[Path]:
     """Audio files under ``folder`` (recursive), sorted by their path relative to it.
 
-    Every entry with an audio extension that is not a directory is listed, broken links and FIFOs
-    included: they are bad inputs to report, not to pass over in silence.
+    Every entry with an audio extension that is not a folder is listed, broken links and FIFOs included:
+    they are bad inputs to report, not to pass over in silence. What the walk itself cannot read is never
+    passed over either: a folder that cannot be listed (kind ``unreadable``), an entry whose type cannot
+    be read (``unreadable``), a broken link without an audio extension (``missing``: it may have been a
+    folder), a link to a folder already read (``repeated_folder``: a cycle, or a second path to it).
+    Each is appended to ``problems`` as an AudioError naming its path, in order of the paths; with
+    ``problems=None`` the first one is raised instead. ``folder`` itself unreadable is always raised.
+
+    Links to folders are followed, each real folder read once (by device and inode): first every folder
+    reached without a link, then the links in order of their paths, each with what it leads to. So a
+    folder of links to albums is read, and a link back up the tree (a cycle) is recorded instead of
+    looping, or of leaving the folder out in silence.
     """
-    folder = Path(folder)
-    files = [p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS and not p.is_dir()]
-    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+    root = Path(folder)
+    found: list[Path] = []
+    issues: list[AudioError] = []
+    try:
+        st = os.stat(root)
+        with os.scandir(root):
+            pass
+    except OSError as e:
+        raise AudioError(root, f"cannot read the folder: {e.strerror or e}", "unreadable") from None
+    read: dict[tuple[int, int], Path] = {(st.st_dev, st.st_ino): root}  # real folders read -> the path read
+    todo, links = [root], []  # folders to list; links to folders, to follow once todo is empty
+
+    def claim(path: Path, target: os.stat_result) -> bool:
+        """Whether the folder ``path`` leads to is new (then it is listed), else a record."""
+        key = (target.st_dev, target.st_ino)
+        if key in read:
+            issues.append(AudioError(path, f"the same folder as {read[key]}, already read: not read again (a "
+                                     "link makes a cycle, or a second path to it)", "repeated_folder"))
+            return False
+        read[key] = path
+        todo.append(path)
+        return True
+
+    while todo or links:
+        if not todo:
+            links.sort(key=lambda p: p.relative_to(root).as_posix())
+            path = links.pop(0)
+            try:
+                claim(path, os.stat(path))
+            except OSError as e:  # gone since it was seen
+                issues.append(AudioError(path, f"cannot read the folder: {e.strerror or e}", "unreadable"))
+            continue
+        where = todo.pop()
+        try:
+            with os.scandir(where) as it:
+                entries = sorted(it, key=lambda e: e.name, reverse=True)  # popped from todo in name order
+        except OSError as e:
+            issues.append(AudioError(where, f"cannot read the folder: {e.strerror or e}", "unreadable"))
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            audio = path.suffix.lower() in AUDIO_EXTENSIONS
+            try:
+                is_dir = entry.is_dir()  # follows links; False for a broken one
+                is_link = entry.is_symlink()
+                target = entry.stat() if is_dir else None
+            except OSError as e:  # a link loop (ELOOP), an I/O error: what it is cannot be known
+                if audio:
+                    found.append(path)  # opening it reports why
+                else:
+                    issues.append(AudioError(path, f"cannot tell what this entry is: {e.strerror or e}",
+                                             "unreadable"))
+                continue
+            if target is not None:
+                if is_link:
+                    links.append(path)
+                else:
+                    claim(path, target)
+            elif audio:
+                found.append(path)
+            elif is_link and not path.exists():
+                issues.append(AudioError(path, f"broken symbolic link{_link_target(path)}: nothing read through "
+                                         "it", "missing"))
+    issues.sort(key=lambda e: Path(e.path).relative_to(root).as_posix())
+    if problems is None and issues:
+        raise issues[0]
+    if problems is not None:
+        problems += issues
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _link_target(path: Path) -> str:
+    """' (to TARGET)' for a symbolic link, or '' if it cannot be read."""
+    try:
+        return f" (to {os.readlink(path)})"
+    except OSError:
+        return ""

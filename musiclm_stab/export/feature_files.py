@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +31,10 @@ from musiclm_stab.export.features import (
     overlap_seconds_for,
     resolve_layers,
 )
+from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 
 MANIFEST = "features.json"
+MANIFEST_TMP = ".features.json.tmp"  # the manifest being written
 SAME_RUN_KEYS = ("model", "layers", "chunk_seconds", "overlap_seconds", "dtype")
 
 
@@ -55,22 +58,25 @@ def write_features(
     """
     T = math.ceil(wav.numel() / HOP_LENGTH)
     np_dtype = np.dtype(dtype)
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    files = {layer: open(partial / f"layer_{layer:02d}.npy", "wb") for layer in layers}
+    partial = _partial(out_dir)
     try:
-        for f in files.values():
-            _write_npy_header(f, (T, model.width), np_dtype)
-        for _, feats in iter_features(wav, model, layers, chunk_seconds, overlap_seconds):
-            for layer, x in zip(layers, feats):
-                files[layer].write(np.ascontiguousarray(x.numpy().astype(np_dtype)).tobytes())
-    finally:
-        for f in files.values():
-            f.close()
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(partial, out_dir)
+        with writing(partial):  # a full disk is the output's fault, not the input's: OutputWriteError
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            with ExitStack() as files_open:
+                files = {layer: files_open.enter_context(open(partial / f"layer_{layer:02d}.npy", "wb"))
+                         for layer in layers}
+                for f in files.values():
+                    _write_npy_header(f, (T, model.width), np_dtype)
+                for _, feats in iter_features(wav, model, layers, chunk_seconds, overlap_seconds):
+                    for layer, x in zip(layers, feats):
+                        files[layer].write(np.ascontiguousarray(x.numpy().astype(np_dtype)).tobytes())
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # the space it took, back (the error raised says what failed)
+        raise
     return T
 
 
@@ -81,12 +87,36 @@ class FolderSummary:
     failed: list[dict] = field(default_factory=list)  # {"source", "kind" (audio.FAILURE_KINDS), "reason"}
 
 
+def _partial(out_dir: Path) -> Path:
+    """Where ``write_features`` builds ``out_dir`` before renaming it into place."""
+    return out_dir.with_name(f".{out_dir.name}.partial")
+
+
 def _output_names(files: list[Path], src: Path) -> list[Path]:
-    """Output directory (relative) per file: its path without the suffix, or with it where two would clash."""
+    """Output folder (relative) per file, never one for two files: its path without the suffix
+    (``sub/a.wav`` -> ``sub/a``), or with it (``sub/a.wav``) where the short name would meet another
+    output: the short name of another file (``a.wav``, ``a.flac``), the long name of another
+    (``a.wav.flac`` -> ``a.wav``), a folder holding other outputs (``sub.wav`` -> ``sub`` beside
+    ``sub/b.wav``), another's temporary folder (``.a.partial.wav``) or the manifest (``features.json.wav``).
+
+    Long names cannot meet: they are distinct paths of files, none of which is a folder of another, and
+    they end in an audio extension where a temporary folder ends in ``.partial``. A file switched to its
+    long name may free nothing and clash with no more, so the switching stops.
+    """
     rel = [f.relative_to(src) for f in files]
-    stems = [r.with_suffix("") for r in rel]
-    clash = {s for s in stems if stems.count(s) > 1}
-    return [r.with_name(r.name.replace(".", "_")) if s in clash else s for r, s in zip(rel, stems)]
+    long: set[int] = set()  # files named by their long name
+    while True:
+        names = [r if i in long else r.with_suffix("") for i, r in enumerate(rel)]
+        taken: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            taken.setdefault(name.as_posix(), []).append(i)
+        reserved = {MANIFEST, MANIFEST_TMP} | {_partial(n).as_posix() for n in names} | \
+            {parent.as_posix() for n in names for parent in n.parents if parent != Path(".")}
+        switch = {i for i, n in enumerate(names) if i not in long and
+                  (len(taken[n.as_posix()]) > 1 or n.as_posix() in reserved)}
+        if not switch:
+            return names
+        long |= switch
 
 
 def extract_folder(
@@ -111,13 +141,20 @@ def extract_folder(
     """
     from musiclm_stab.audio import AudioError, list_audio_files, load_audio
 
+    src, out = Path(src), Path(out)
+    check_folder_path(out)  # a file in the way: refused before the model is loaded
     if not isinstance(model, FeatureModel):
         model = load_feature_model(model, device)
-    src, out = Path(src), Path(out)
+    failed: list[dict] = []
     if src.is_file():
         files, names = [src], [Path(src.stem)]
     elif src.is_dir():
-        files = list_audio_files(src)
+        problems: list[AudioError] = []  # folders and links the walk could not read: recorded as failures
+        try:
+            files = list_audio_files(src, problems)
+        except AudioError as e:
+            raise ValueError(f"cannot read the source {e.path}: {e.reason}") from None
+        failed = [{"source": e.path, "kind": e.kind, "reason": e.reason} for e in problems]
         names = _output_names(files, src)
     else:
         raise ValueError(f"{src} is neither an audio file nor a folder")
@@ -136,19 +173,33 @@ def extract_folder(
         "num_layers": model.num_layers,
     }
     manifest = out / MANIFEST
+    made_from: dict[str, str] = {}  # output -> source, as an earlier run recorded them
     if manifest.is_file() and not overwrite:
-        old = json.loads(manifest.read_text())
+        with writing(manifest, "read"):
+            text = manifest.read_text()
+        try:
+            old = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{manifest} is not valid JSON ({e}): delete it (the features stay) or pass "
+                             "--overwrite") from None
         differ = [k for k in SAME_RUN_KEYS if old.get(k) != settings[k]]
         if differ:
             raise ValueError(
                 f"{out} holds features made with other settings ({', '.join(differ)} differ); "
                 "use another output folder or overwrite=True (--overwrite)"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    summary = FolderSummary()
+        made_from = {w["output"]: w["source"] for w in old.get("written", [])}
+    with writing(out, "create the output folder"):
+        out.mkdir(parents=True, exist_ok=True)
+    summary = FolderSummary(failed=failed)
     for path, name in tqdm(list(zip(files, names)), desc="features", unit="file", disable=not progress):
         target = out / name
         if target.is_dir() and not overwrite:
+            other = made_from.get(str(name))
+            if other is not None and not _same_source(other, path, src):
+                raise ValueError(f"{target} holds the features of {other} (says {manifest}), not of {path}: an "
+                                 "earlier version gave both the same output folder; delete that folder (or pass "
+                                 "--overwrite) and rerun")
             summary.skipped.append(str(name))
             continue
         try:
@@ -160,15 +211,27 @@ def extract_folder(
             why = f"{type(e).__name__}: {e}"
             summary.failed.append({"source": str(path), "kind": "error", "reason": why})
             continue
-        frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
+        try:
+            frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
+        except OutputWriteError as e:  # stop: every later write would fail too; what is written stays
+            done = len(summary.written) + len(summary.skipped)
+            raise OutputWriteError(f"{e}. Stopped; the {done} files whose features are written are kept: "
+                                   f"{e.advice()}, then rerun the same command to go on with the rest (it skips "
+                                   "them)", e.path, e.errno) from None
         summary.written.append({"source": str(path), "output": str(name), "frames": frames})
-    manifest.write_text(
-        json.dumps(
-            {**settings, "written": summary.written, "skipped": summary.skipped, "failed": summary.failed},
-            indent=2,
-        )
-    )
+    record = {**settings, "written": summary.written, "skipped": summary.skipped, "failed": summary.failed}
+    tmp = out / MANIFEST_TMP
+    with writing(tmp):  # never half a manifest: a full disk leaves the earlier one
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, manifest)
     return summary
+
+
+def _same_source(recorded: str, path: Path, src: Path) -> bool:
+    """Whether the source an earlier run recorded (as it was given then) is the file ``path`` under ``src``
+    (the folder may be given otherwise now: relative, absolute, moved)."""
+    rel = path.relative_to(src).as_posix() if path != src else path.name
+    return recorded == str(path) or Path(recorded).as_posix().endswith("/" + rel) or recorded == rel
 
 
 def _parse_layers(values: list[str] | None) -> list[int] | None:
@@ -207,6 +270,9 @@ def cli_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OutputWriteError as e:  # the output's disk, not the input: one line, what is written stays
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(
         f"{len(summary.written)} written, {len(summary.skipped)} skipped (existing), "
         f"{len(summary.failed)} failed -> {Path(args.out) / MANIFEST}"

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from musiclm_stab.data.tokenized import FAILURES_FILE, WARNINGS_FILE
+from musiclm_stab.output_errors import OutputWriteError
 from musiclm_stab.tokenizer.lock import OutputBusy
 from musiclm_stab.tokenizer.merge import merge_shards
 from musiclm_stab.tokenizer.pipeline import tokenize
@@ -75,7 +76,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                            silence_db=args.silence_db, workers=args.workers, shard=args.shard,
                            retry_failures=args.retry_failures, streaming=args.streaming, part_mb=args.part_mb,
                            part_tracks=args.part_tracks, piece_seconds=args.piece_seconds)
-    except (WeightsUnavailable, TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError) as e:
+    except (WeightsUnavailable, TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError,
+            OutputWriteError) as e:
         print(f"musiclm-stab tokenize: {e}", file=sys.stderr)
         return 1
     print(summary)

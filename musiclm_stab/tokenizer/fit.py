@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from musiclm_stab import CODEBOOK_SIZE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, list_audio_files, load_audio, open_audio
 from musiclm_stab.data.tokenized import codebook_usage as usage_from_counts
+from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 from musiclm_stab.tokenizer.kmeans import exact_grid, held_out_residual, kmeans, snap
 from musiclm_stab.tokenizer.weights import BANDWIDTH, _sidecar, model_info, seeded_random_model
 
@@ -140,6 +141,7 @@ def make_local_weights(
     chunk_seconds: float = 10.0,
     progress: bool = True,
     workers: int | None = None,
+    unread: Sequence[AudioError] = (),
 ) -> dict[str, Any]:
     """Make EnCodec 24 kHz weights with a seeded random encoder and fitted codebooks; save them.
 
@@ -157,7 +159,8 @@ def make_local_weights(
     state dict, loadable with ``load_encodec(out_file)``) and ``out_file.json`` (provenance, with the
     codebook usage on the fitting audio); returns the info dict. The float64 encoder costs ~0.5 s per
     second of audio on one core, so ``workers`` processes share the chunks (default: one per core, none
-    for a handful of chunks); the result does not depend on their number.
+    for a handful of chunks); the result does not depend on their number. ``unread``: what the walk that
+    found the sources could not read (``list_audio_files``' problems), recorded with the skipped sources.
     """
     import encodec
 
@@ -168,7 +171,7 @@ def make_local_weights(
         raise ValueError("make_local_weights: waveforms must be 24 kHz mono [S]; decode files with load_audio")
     chunk = int(chunk_seconds * SAMPLE_RATE) // HOP_LENGTH * HOP_LENGTH
     durations = [_duration(s) for s in srcs]
-    skipped = [why for _, why in durations if why]
+    skipped = [_skipped(e.path, e) for e in unread] + [why for _, why in durations if why]
     slots = [(i, start) for i, (n, _) in enumerate(durations) for start in range(0, n, chunk)]
     g = torch.Generator().manual_seed(seed)
     max_chunks = max(1, int(max_seconds * SAMPLE_RATE) // chunk)
@@ -209,10 +212,11 @@ def make_local_weights(
         fit_codes = model.quantizer.encode(x.t().float().unsqueeze(0), model.frame_rate, BANDWIDTH)[:, 0]  # (K, N)
     usage = codebook_usage(fit_codes)
 
-    out_file.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()  # saving to a file would put its name into the zip: same weights, other bytes
     torch.save(model.state_dict(), buffer)
-    out_file.write_bytes(buffer.getvalue())
+    with writing(out_file):  # a full disk is no fault of the audio: OutputWriteError, one line
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_bytes(buffer.getvalue())
     info = model_info(model, "local", out_file)
     # provenance goes to a side file: seconds_taken differs between runs, the weights file must not
     info["provenance"] = {
@@ -235,7 +239,8 @@ def make_local_weights(
         "codebook_usage_on_fitting_audio": usage,
         "seconds_taken": round(time.perf_counter() - t0, 2),
     }
-    _sidecar(out_file).write_text(json.dumps(info, indent=2) + "\n")
+    with writing(_sidecar(out_file)):
+        _sidecar(out_file).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
@@ -260,18 +265,27 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error(f"{src} is not a folder")
     if out.exists() and not args.overwrite:
         p.error(f"{out} exists; pass --overwrite to replace it")
-    files = list_audio_files(src)
-    if not files:
-        p.error(f"no audio files under {src}")
     try:
-        info = make_local_weights(files, out, seed=args.seed, max_seconds=args.max_seconds, iters=args.iters)
-    except ValueError as e:
+        check_folder_path(out, "write")
+    except OutputWriteError as e:
+        p.error(str(e))
+    unread: list[AudioError] = []  # folders and links the walk could not read: reported, never dropped
+    try:
+        files = list_audio_files(src, unread)
+    except AudioError as e:
+        p.error(f"cannot read {e.path}: {e.reason}")
+    if not files:
+        p.error(f"no audio files under {src}" + "".join(f"; {e.path}: {e.reason}" for e in unread[:3]))
+    try:
+        info = make_local_weights(files, out, seed=args.seed, max_seconds=args.max_seconds, iters=args.iters,
+                                  unread=unread)
+    except (ValueError, OutputWriteError) as e:
         print(f"make-weights: {e}", file=sys.stderr)
         return 1
     prov = info["provenance"]
     print(f"wrote {out} (sha256 {info['weights_sha256']})")
     print(f"  fitted on {prov['seconds_used']:.0f} s of audio from {len(files)} files "
-          f"({len(prov['skipped_sources'])} unreadable), {prov['num_frames']} frames, "
+          f"({len(prov['skipped_sources'])} unreadable, folders included), {prov['num_frames']} frames, "
           f"in {prov['seconds_taken']:.1f} s")
     for skip in prov["skipped_sources"]:
         print(f"  skipped {skip['path']}: {skip['kind']}: {skip['reason']}")

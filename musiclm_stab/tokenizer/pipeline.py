@@ -35,11 +35,14 @@ usage over the dataset (codes used, perplexity), printed in the summary.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,7 @@ from tqdm.auto import tqdm
 
 from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.data.tokenized import IDENTITY_KEYS, METADATA_FILE, STATE_DIR, job_units
+from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 from musiclm_stab.threads import one_thread
 from musiclm_stab.tokenizer.encode import full_fp32
 from musiclm_stab.tokenizer.lock import output_lock
@@ -147,6 +151,41 @@ def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int]:
     return i, n
 
 
+def _stops_on_output_errors(fn: Callable[..., TokenizeSummary]) -> Callable[..., TokenizeSummary]:
+    """An OutputWriteError (the output's disk is full, a file size limit, a read-only or failing disk...)
+    stops the run: raised again with what was kept and how to go on, in one line. Committed units stay,
+    and the unit being written is not committed, so a rerun of the same command continues."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> TokenizeSummary:
+        try:
+            return fn(*args, **kwargs)
+        except OutputWriteError as e:
+            out_dir = signature.bind(*args, **kwargs).arguments["out_dir"]
+            try:
+                done: int | None = len(OutputDir(out_dir).done_units())
+            except OSError:
+                done = None
+            if done == 0:
+                then = f"Tokenizing stopped before any unit was committed: {e.advice()}, then rerun the same command"
+            else:
+                then = (f"Tokenizing stopped; the {'' if done is None else f'{done} '}units committed so far are "
+                        f"kept: {e.advice()}, then rerun the same command to continue with the rest")
+            raise OutputWriteError(f"{e}. {then}", e.path, e.errno) from None
+    return wrapper
+
+
+@contextmanager
+def _locked(out_dir: str | Path) -> Iterator[None]:
+    """``output_lock``, its failure to create the folder or the lock file being an OutputWriteError."""
+    with ExitStack() as stack:
+        with writing(out_dir, "create the output folder"):
+            stack.enter_context(output_lock(out_dir))
+        yield
+
+
+@_stops_on_output_errors
 def tokenize(
     src: str | Path,
     out_dir: str | Path,
@@ -207,10 +246,12 @@ def tokenize(
     refs = None if streaming else list_tracks(spec)
     if refs is not None and not refs:
         raise TokenizeError(f"no audio found in {src}")
-    check_output_folder(out_dir)  # before loading anything: a folder that is not ours is refused at once
+    check_folder_path(out_dir)  # before loading anything: a file in the way, or a folder that is not ours,
+    with writing(out_dir, "read the output folder"):  # is refused at once
+        check_output_folder(out_dir)
 
     model, info = _encoder(weights)
-    with output_lock(out_dir):
+    with _locked(out_dir):
         if part_mb is not None:
             part_bytes: int | str = int(part_mb * 2**20)
             unit_bytes = part_bytes
@@ -243,13 +284,15 @@ def tokenize(
             "plan": plan,
             "shard": [shard_i, shard_n],
         }
-        out = OutputDir.prepare(out_dir, job, overwrite)
+        with writing(out_dir):  # every write to the output: an OS error there stops the run (not an input's fault)
+            out = OutputDir.prepare(out_dir, job, overwrite)
         job = out.job()  # an earlier run's unit plan stays in force (file sizes may have changed since)
         # outputs started before per-track batching keep batching across the tracks of a unit
         settings = UnitSettings(segment_samples, min_samples, silence, float(silence_db), batch_size,
                                 job["plan"].get("batching", "unit"))
         if retry_failures:
-            out.reopen_failed()
+            with writing(out_dir):
+                out.reopen_failed()
         meta = {
             **info,
             "segment_seconds": segment_samples / SAMPLE_RATE,
@@ -277,7 +320,8 @@ def tokenize(
         def on_done(record: dict) -> None:
             if record["unit"] in stream_resume:
                 record["stream"] = stream_resume.pop(record["unit"])
-            out.commit(record)
+            with writing(out_dir):
+                out.commit(record)
             audio_done[0] += record["num_samples"]
             failed[0] += len(record["failures"]) + bool(record.get("piece", {}).get("failure"))
             bar.update(1)
@@ -305,7 +349,8 @@ def tokenize(
                       weights=None if weights is None else str(weights), device=device, sha256=info["weights_sha256"])
         bar.close()
         job = out.job()
-        out.finalize(job_units(job), meta)
+        with writing(out_dir):
+            out.finalize(job_units(job), meta)
         return _summary(out, job, t0, audio_done[0] / SAMPLE_RATE, len(done_before))
 
 
@@ -351,7 +396,8 @@ def _stream_work(spec, job: dict, out: OutputDir, done: set[int], shard_i: int, 
     if job.get("stream_end") not in (None, end):
         raise OutputMismatch(f"the stream {spec.path} has changed since this output was started: "
                              f"{job['stream_end']} then, {end} now")
-    out.update_job(stream_end=end)
+    with writing(out.out):
+        out.update_job(stream_end=end)
 
 
 def _summary(out: OutputDir, job: dict, t0: float, seconds_this_run: float, done_before: int) -> TokenizeSummary:

@@ -1,7 +1,9 @@
 """Where the tokenizer's tracks come from, in a fixed order (the unit plan is in plan.py).
 
 Sources (``Source.open`` picks one from the path):
-- a folder of audio files, searched recursively; tracks named by their path relative to the folder;
+- a folder of audio files, searched recursively; tracks named by their path relative to the folder; a
+  folder or link the walk cannot read (``list_audio_files``) is an input of its own that fails (so it
+  is in ``failures.jsonl``, never silently left out); links to folders are followed, each folder once;
 - a manifest, ``.csv`` (header row) or ``.jsonl``, with a ``path`` column and optionally ``id``
   (the track name; default: the path as written); relative paths are taken from the manifest's folder;
 - an HF dataset saved with ``save_to_disk``, with an audio column (Audio feature, ``{bytes, path}``,
@@ -86,13 +88,23 @@ def list_tracks(spec: SourceSpec) -> list[TrackRef]:
     """All tracks of a listable source, in order (not for streaming sources)."""
     if spec.kind == "folder":
         root = Path(spec.path)
+        problems: list[AudioError] = []  # folders and links the walk could not read: failures of their own
+        try:
+            files = list_audio_files(root, problems)
+        except AudioError as e:
+            raise TokenizeError(f"cannot read the source {e.path}: {e.reason}") from None
+        entries: list[Path | AudioError] = [*files, *problems]
+        entries.sort(key=lambda e: Path(e.path if isinstance(e, AudioError) else e).relative_to(root).as_posix())
         refs = []
-        for i, p in enumerate(list_audio_files(root)):
+        for i, entry in enumerate(entries):
+            if isinstance(entry, AudioError):
+                refs.append(TrackRef(i, Path(entry.path).relative_to(root).as_posix(), entry.path, 0, entry))
+                continue
             try:
-                size = p.stat().st_size
+                size = entry.stat().st_size
             except OSError:
                 size = 0
-            refs.append(TrackRef(i, p.relative_to(root).as_posix(), str(p), size, str(p)))
+            refs.append(TrackRef(i, entry.relative_to(root).as_posix(), str(entry), size, str(entry)))
         return refs
     if spec.kind == "manifest":
         return _manifest_tracks(Path(spec.path))

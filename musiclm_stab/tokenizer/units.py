@@ -24,6 +24,7 @@ from musiclm_stab import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, AudioReader, resampled_blocks, scan
 from musiclm_stab.data.tokenized import FEATURES
 from musiclm_stab.durable import fsync_dir
+from musiclm_stab.output_errors import OutputWriteError, writing
 from musiclm_stab.tokenizer.encode import encode_batch, fp32_precision
 from musiclm_stab.tokenizer.policy import UnitSettings, refusal, silent_reason
 from musiclm_stab.tokenizer.segments import Piece, cut_segments, piece_rows, segment_bounds
@@ -115,16 +116,18 @@ class _Part:
                 part = idx[j : j + s.batch_size]
                 for i, c in zip(part, encode_batch(self.model, torch.stack([pending[i][2] for i in part]))):
                     codes[i] = c  # (K, T)
-        if self.writer is None:
-            self.writer = ArrowWriter(features=FEATURES, path=str(self.tmp), writer_batch_size=max(8, s.batch_size))
-        self.writer.write_batch({
-            "id": [f"{t}@{st}" for t, st, _ in pending],
-            "track": [t for t, _, _ in pending],
-            "start": [st / SAMPLE_RATE for _, st, _ in pending],
-            "pcm": [p.numpy() for _, _, p in pending],
-            "codes": [c.numpy() for c in codes],
-            "num_frames": [c.shape[1] for c in codes],
-        })
+        with writing(self.tmp):  # a full disk is the output's fault, never the track's: see OutputWriteError
+            if self.writer is None:
+                self.writer = ArrowWriter(features=FEATURES, path=str(self.tmp),
+                                          writer_batch_size=max(8, s.batch_size))
+            self.writer.write_batch({
+                "id": [f"{t}@{st}" for t, st, _ in pending],
+                "track": [t for t, _, _ in pending],
+                "start": [st / SAMPLE_RATE for _, st, _ in pending],
+                "pcm": [p.numpy() for _, _, p in pending],
+                "codes": [c.numpy() for c in codes],
+                "num_frames": [c.shape[1] for c in codes],
+            })
         for c in codes:
             self.code_counts += count_codes(c[None])
         for t, _, p in pending:
@@ -138,11 +141,12 @@ class _Part:
         self.flush()
         if self.writer is None:
             return None
-        self.writer.finalize()
-        with open(self.tmp, "rb") as f:  # on disk before the rename makes it count
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.out.part_file(self.k))
-        fsync_dir(self.out.parts_dir)  # the rename too, before the unit's record makes it count
+        with writing(self.tmp):
+            self.writer.finalize()
+            with open(self.tmp, "rb") as f:  # on disk before the rename makes it count
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.out.part_file(self.k))
+            fsync_dir(self.out.parts_dir)  # the rename too, before the unit's record makes it count
         return self.out.part_file(self.k).relative_to(self.out.out).as_posix()
 
     def discard(self) -> None:
@@ -153,7 +157,10 @@ class _Part:
                     self.writer.close()
                 except Exception:  # already closed, or never opened its stream
                     pass
-            self.tmp.unlink()
+            try:
+                self.tmp.unlink()
+            except OSError:  # a failing disk: the error being raised says so; finalize deletes the debris later
+                pass
 
 
 def run_unit(spec: SourceSpec, k: int, refs: list[TrackRef], model: EncodecModel, settings: UnitSettings,
@@ -207,6 +214,8 @@ def _run_unit_once(spec: SourceSpec, k: int, refs: list[TrackRef], model: Encode
                 tracks += 1
                 silent_total += silent
                 notes += track_notes
+            except OutputWriteError:  # the output's fault, not the track's: the run stops (units committed stay)
+                raise
             except Exception as e:  # a failure of this one input, whatever it is, is recorded as its failure
                 failure = _failure(ref, _as_audio_error(ref, e))
                 if part.written[ref.name]:
@@ -242,6 +251,8 @@ def _run_piece_once(spec: SourceSpec, k: int, ref: TrackRef, piece: Piece, model
                         part.add(ref.name, start, pcm)
                         seen["kept"] += 1
                     notes = _track_warnings(ref, reader, *views)
+            except OutputWriteError:  # the output's fault, not the track's: the run stops
+                raise
             except Exception as e:  # this piece's failure is the track's (judged with the other pieces)
                 e = _as_audio_error(ref, e)
                 last = "the end" if piece.stop is None else f"{piece.stop * s.segment_samples / SAMPLE_RATE:g} s"
