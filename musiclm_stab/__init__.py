@@ -1,9 +1,60 @@
-"""musiclm_stab: pretraining MERT-style music masked-language models and studying their training stability."""
+"""musiclm_stab: pretraining MERT-style music masked-language models and studying their training stability.
 
-__version__ = "0.1.0"
+The main verbs are importable from here (musiclm_stab/api.py; reference: docs/API.md):
+
+    import musiclm_stab as ms
+
+    run = ms.train("tiny", {"train.max_steps": 200}, data="work/tokens")
+    ms.evaluate(run)["eval/acoustic_mlm_loss/cb0"]
+    ms.features("song.wav", ms.load_encoder(run), layers=[2]).layers[2]
+
+They are loaded on first use (PEP 562), so ``import musiclm_stab`` imports neither torch nor any submodule:
+the constants below are what every part of the package imports from here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+# The one place the version is written: pyproject.toml reads it (dynamic version), CHANGELOG.md has an entry
+# for each release. Data formats carry their own versions (tokenizer.json, checkpoints, exports).
+__version__ = "0.2.0"
 
 SAMPLE_RATE = 24_000  # EnCodec 24 kHz; every waveform in the pipeline is mono at this rate
 HOP_LENGTH = 320  # samples per frame: EnCodec's hop and the conv frontend's total stride
 FRAME_RATE = SAMPLE_RATE // HOP_LENGTH  # 75 Hz
 NUM_CODEBOOKS = 8  # EnCodec 24 kHz at 6 kbps
 CODEBOOK_SIZE = 1024
+
+__all__ = ["CODEBOOK_SIZE", "FRAME_RATE", "HOP_LENGTH", "NUM_CODEBOOKS", "SAMPLE_RATE", "__version__",
+           # the verbs (musiclm_stab.api.__all__)
+           "evaluate", "export_hubert", "features", "load_encoder", "make_config", "plot", "recipe", "recipes",
+           "study", "tokenize", "train"]
+API = tuple(name for name in __all__ if name.islower() and not name.startswith("_"))
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads them
+    from musiclm_stab.api import (
+        evaluate,
+        export_hubert,
+        features,
+        load_encoder,
+        make_config,
+        plot,
+        recipe,
+        recipes,
+        study,
+        tokenize,
+        train,
+    )
+
+
+def __getattr__(name: str):
+    if name in API:
+        import importlib
+
+        return getattr(importlib.import_module("musiclm_stab.api"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *API})

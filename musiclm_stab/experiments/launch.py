@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -19,8 +20,12 @@ import yaml
 
 from musiclm_stab.config import Config
 
-REPO = Path(__file__).resolve().parent.parent.parent
-RECIPES = REPO / "recipes"
+# The recipes and the training entry point ship inside the package (musiclm_stab/recipes: package data), so
+# the jobs find them in an installed wheel too. A checkout has one more name for that folder, the symlink
+# recipes -> musiclm_stab/recipes at its root; commands are shown with it there, as the docs write them.
+PACKAGED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+_CHECKOUT_LINK = PACKAGED_RECIPES.parent.parent / "recipes"
+RECIPES = _CHECKOUT_LINK if _CHECKOUT_LINK.resolve() == PACKAGED_RECIPES else PACKAGED_RECIPES
 PRETRAIN = RECIPES / "pretrain.py"
 DEFAULT_NUM_TRACKS = 24
 
@@ -111,29 +116,36 @@ def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS, preset:
 # Launching a run
 
 
-def accelerate_executable() -> str:
-    """The venv's ``accelerate`` beside this Python, else the one on PATH."""
+def accelerate_executable() -> str | list[str]:
+    """The ``accelerate`` beside this Python (a venv's), else this Python running accelerate's command line:
+    never another interpreter's ``accelerate`` on PATH, whose launch would train with that interpreter's
+    packages (e.g. a wheel installed into a venv whose scripts are not on PATH)."""
     local = Path(sys.executable).with_name("accelerate")
-    return str(local) if local.exists() else "accelerate"
+    return str(local) if local.exists() else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
 
 def shown(path: str | Path) -> str:
-    """A path as a person would type it here: relative to the working directory when under it."""
+    """A path as a person would type it here: relative to the working directory when under it (symlinks
+    kept: a checkout's ``recipes/...`` stays ``recipes/...``)."""
     try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+        return str(Path(os.path.abspath(path)).relative_to(Path.cwd()))
     except ValueError:
         return str(path)
 
 
-def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (), *, accelerate: str = "accelerate",
-                   single_process: bool = True, resume: bool = False) -> list[str]:
+def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (), *,
+                   accelerate: str | Sequence[str] = "accelerate", single_process: bool = True,
+                   resume: bool = False) -> list[str]:
     """``accelerate launch recipes/pretrain.py --config C ... --section.key=value ...``.
 
+    ``accelerate``: the command that runs accelerate (a path, or argv words: accelerate_executable).
     ``single_process``: one process without an accelerate config file (precision comes from the run's
-    config); else the machine's own ``accelerate config`` decides (a cluster)."""
+    config: ``--mixed_precision no`` is accelerate's "not asked", training/precision.py); else the machine's
+    own ``accelerate config`` decides (a cluster)."""
     launch = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
               "--dynamo_backend", "no"] if single_process else []
-    cmd = [accelerate, "launch", *launch, shown(PRETRAIN)]
+    head = [accelerate] if isinstance(accelerate, str) else list(accelerate)
+    cmd = [*head, "launch", *launch, shown(PRETRAIN)]
     for config in configs:
         cmd += ["--config", shown(config)]
     return [*cmd, *overrides, *(["--resume"] if resume else [])]

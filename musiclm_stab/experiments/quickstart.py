@@ -1,9 +1,11 @@
 """The main job, end to end: default corpus -> EnCodec weights -> tokenize -> pretrain -> evaluate -> plot.
 
-    musiclm-stab quickstart [--work work] [--steps 200] [--num-tracks 24]
+    musiclm-stab quickstart [--work work] [--steps 200] [--num-tracks 24] [--data TOKENS] [--set S.K=V ...]
 
 Each stage is reused when its output already exists (same settings), so a rerun only trains a new run.
-Training runs through the real ``accelerate launch recipes/pretrain.py``.
+``--data`` trains on tokenized data of your own instead (no corpus, weights or tokenizing). Training runs
+through the real ``accelerate launch recipes/pretrain.py`` (the recipes ship inside the package, so an
+installed wheel runs it outside a checkout too).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from musiclm_stab.experiments.launch import (
     DEFAULT_NUM_TRACKS,
     RECIPES,
     accelerate_executable,
+    as_overrides,
     banner,
     default_data,
     launch_command,
@@ -28,15 +32,21 @@ def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab quickstart", description=__doc__.split("\n\n")[0],
                                 epilog="Reference: README.md (Set up: two commands)")
     p.add_argument("--work", default="work", help="folder for the corpus, weights and tokenized data")
+    p.add_argument("--data", help="tokenized dataset to train on (default: the default corpus under --work, "
+                   "made if missing)")
     p.add_argument("--runs", default="runs", help="folder for run directories")
     p.add_argument("--num-tracks", type=int, default=DEFAULT_NUM_TRACKS)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--recipe", default=str(RECIPES / "tiny.yaml"))
+    p.add_argument("--recipe", default=str(RECIPES / "tiny.yaml"), help="recipe (default: recipes/tiny.yaml)")
+    p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", dest="extra",
+                   help="further settings of the run (e.g. data.batch_size=2 train.mixed_precision=bf16)")
     p.add_argument("--data-only", action="store_true",
                    help="stop after tokenizing (the data the benchmarks and the study use)")
     args = p.parse_args(argv)
+    if args.data and args.data_only:
+        p.error("--data-only makes the default data; --data names data that exists: not both")
     t0 = time.time()
-    tokens = default_data(args.work, args.num_tracks)
+    tokens = args.data or default_data(args.work, args.num_tracks)
     if args.data_only:
         print(f"\ndata ready in {time.time() - t0:.0f} s: {tokens}")
         return 0
@@ -44,10 +54,14 @@ def cli_main(argv: list[str]) -> int:
     banner("pretrain (accelerate launch recipes/pretrain.py)")
     name = time.strftime("tiny-%Y%m%d-%H%M%S")
     cmd = launch_command([args.recipe], [f"--data.path={tokens}", f"--train.name={name}",
-                                         f"--train.output_dir={args.runs}", f"--train.max_steps={args.steps}"],
+                                         f"--train.output_dir={args.runs}", f"--train.max_steps={args.steps}",
+                                         *as_overrides(args.extra)],
                          accelerate=accelerate_executable())
     print(shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    status = subprocess.run(cmd).returncode
+    if status != 0:  # the trainer has said why (`error: ...`); accelerate launch reports any failure as 1
+        print(f"musiclm-stab quickstart: error: training failed (exit {status}); nothing evaluated", file=sys.stderr)
+        return 1
     run_dir = Path(args.runs) / name
 
     banner("evaluate and plot")

@@ -1,0 +1,114 @@
+"""The Python API: `import musiclm_stab as ms` names the main verbs, loads them on first use, types them,
+documents them (docs/API.md), and the README's example runs as written."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import shutil
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+import musiclm_stab
+from musiclm_stab import api
+from musiclm_stab.config import Config, ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.M | re.S)
+
+
+def test_import_is_light():
+    """`import musiclm_stab` imports neither torch nor any submodule: the verbs load on first use."""
+    script = "import json, sys, musiclm_stab\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith(('musiclm_stab', 'torch')))))"
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == ["musiclm_stab"]
+
+
+def test_every_verb_is_the_apis_even_after_the_submodules_are_imported():
+    """Each name of musiclm_stab.API is musiclm_stab.api's function, also once musiclm_stab.config and
+    musiclm_stab.export (submodules, whose import sets attributes of the package) have been imported."""
+    import musiclm_stab.config  # noqa: F401
+    import musiclm_stab.export  # noqa: F401
+
+    assert list(musiclm_stab.API) == sorted(api.__all__)
+    for name in musiclm_stab.API:
+        assert getattr(musiclm_stab, name) is getattr(api, name), name
+    assert set(musiclm_stab.API) <= set(dir(musiclm_stab))
+    with pytest.raises(AttributeError):
+        musiclm_stab.no_such_verb  # noqa: B018
+
+
+def test_every_verb_is_typed_and_documented():
+    """Each verb has a docstring, annotations that resolve, a return type, and a place in docs/API.md."""
+    import numpy as np
+    import torch
+
+    from musiclm_stab.export.features import FeatureModel, FrameFeatures
+    from musiclm_stab.export.hubert import ExportResult
+    from musiclm_stab.tokenizer.pipeline import TokenizeSummary
+
+    checking = {"np": np, "torch": torch, "Config": Config, "FeatureModel": FeatureModel,  # api's TYPE_CHECKING names
+                "FrameFeatures": FrameFeatures, "ExportResult": ExportResult, "TokenizeSummary": TokenizeSummary}
+    page = (ROOT / "docs" / "API.md").read_text()
+    assert (ROOT / "musiclm_stab" / "py.typed").is_file()
+    for name in api.__all__:
+        fn = getattr(api, name)
+        assert inspect.getdoc(fn), name
+        hints = typing.get_type_hints(fn, vars(api) | checking)
+        assert "return" in hints, name
+        assert f"ms.{name}(" in page, f"docs/API.md does not show ms.{name}"
+
+
+def test_make_config_takes_recipe_names_paths_and_settings(tmp_path):
+    """Packaged recipe names (layered in order), YAML paths, settings as a mapping or strings; an unknown
+    recipe or a bad setting is a ConfigError naming it."""
+    cfg = musiclm_stab.make_config(["study_prenorm_clip1_run2", "overlays/tiny"],
+                                   {"train.max_steps": 5, "data.crop_seconds": 2.0, "train.trackers": [],
+                                    "train.spike_guard": True}, data=["a", "b"])
+    assert (cfg.model.size, cfg.optim.clip_grad, cfg.train.max_steps) == ("tiny", 1.0, 5)
+    assert (cfg.data.path, cfg.data.crop_seconds, cfg.train.trackers, cfg.train.spike_guard) == (["a", "b"], 2.0, [], True)
+    own = tmp_path / "mine.yaml"
+    own.write_text("train:\n  name: mine\n")
+    assert musiclm_stab.make_config(own, ["train.max_steps=3"]).train.max_steps == 3
+    assert musiclm_stab.recipe("tiny") == musiclm_stab.recipe("tiny.yaml") and "overlays/tiny" in musiclm_stab.recipes()
+    with pytest.raises(ConfigError, match="'nope'.*tiny"):
+        musiclm_stab.make_config("nope")
+    with pytest.raises(ConfigError, match="train.max_stepz"):
+        musiclm_stab.make_config("tiny", {"train.max_stepz": 1})
+    with pytest.raises(TypeError):
+        musiclm_stab.train(cfg, {"train.max_steps": 1})
+
+
+@pytest.mark.slow
+def test_readme_example_runs(tmp_path, local_weights, make_music):
+    """The README's Python example, as written, on tiny data: it tokenizes, trains, evaluates, takes
+    features and plots (run as a notebook runs it: one fresh interpreter, code given as text)."""
+    blocks = PYTHON_BLOCK.findall((ROOT / "README.md").read_text())
+    assert len(blocks) == 1 and "import musiclm_stab as ms" in blocks[0]
+    code = blocks[0]
+    (tmp_path / "audio").mkdir()
+    for i in range(6):  # 6 s tracks: one segment each, 5 to train on (a batch of 4 crops), 1 held out
+        sf.write(tmp_path / "audio" / ("song.wav" if i == 0 else f"track_{i}.wav"), make_music(6.0, seed=300 + i),
+                 24_000)
+    (tmp_path / "work").mkdir()
+    shutil.copy(local_weights, tmp_path / "work" / "encodec_local.pt")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**_env(), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    cb0 = float(proc.stdout.strip().splitlines()[-1])
+    assert 0 < cb0 < 12
+    run = tmp_path / "runs" / "tiny"
+    assert json.loads((run / "eval" / "step_00000020.json").read_text())["eval/acoustic_mlm_loss/cb0"] == cb0
+    assert (tmp_path / "figures" / "loss.png").is_file()
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
