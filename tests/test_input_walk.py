@@ -50,6 +50,8 @@ def test_the_walk_lists_linked_folders_once_and_records_what_it_cannot_read(tree
         files = list_audio_files(tree, problems)
         with pytest.raises(AudioError, match="/src/gone: broken symbolic link"):
             list_audio_files(tree)
+        with pytest.raises(AudioError, match="/src/locked: cannot read the folder: Permission denied"):
+            list_audio_files(tree / "locked", [])  # the folder asked for: an error, not a record
     assert [f.relative_to(tree).as_posix() for f in files] == ["a.wav", "ext/d.wav", "sub/c.flac"]
     got = {os.path.relpath(e.path, tree): (e.kind, e.reason) for e in problems}
     assert set(got) == {"gone", "locked", "loop", "sub/up", "sub_again"}
@@ -73,6 +75,17 @@ def test_tokenize_records_an_unreadable_folder_and_reads_a_linked_one(tree, tmp_
     assert failures["locked"] == {"track": "locked", "path": str(tree / "locked"), "kind": "unreadable",
                                   "reason": "cannot read the folder: Permission denied"}
     assert s.failures_by_kind == {"missing": 1, "repeated_folder": 2, "unreadable": 2}
+
+
+def test_an_unreadable_source_folder_is_one_line(tree, tmp_path, capsys):
+    """tokenize of a folder it cannot enter: exit 1 and one line naming it, before the weights are
+    loaded; before, a PermissionError traceback."""
+    from musiclm_stab.tokenizer.cli import cli_main
+
+    with locked_folder(tree / "locked"):
+        assert cli_main([str(tree / "locked"), str(tmp_path / "out"), "--weights", str(tmp_path / "absent.th")]) == 1
+    assert capsys.readouterr().err == f"musiclm-stab tokenize: cannot read the source {tree / 'locked'}: " \
+        "Permission denied\n"
 
 
 def test_make_weights_records_an_unreadable_folder(tmp_path, make_music, capsys):

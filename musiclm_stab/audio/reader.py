@@ -410,8 +410,6 @@ def list_audio_files(folder: str | Path, problems: list[AudioError] | None = Non
     issues: list[AudioError] = []
     try:
         st = os.stat(root)
-        with os.scandir(root):
-            pass
     except OSError as e:
         raise AudioError(root, f"cannot read the folder: {e.strerror or e}", "unreadable") from None
     read: dict[tuple[int, int], Path] = {(st.st_dev, st.st_ino): root}  # real folders read -> the path read
@@ -442,7 +440,10 @@ def list_audio_files(folder: str | Path, problems: list[AudioError] | None = Non
             with os.scandir(where) as it:
                 entries = sorted(it, key=lambda e: e.name, reverse=True)  # popped from todo in name order
         except OSError as e:
-            issues.append(AudioError(where, f"cannot read the folder: {e.strerror or e}", "unreadable"))
+            unread = AudioError(where, f"cannot read the folder: {e.strerror or e}", "unreadable")
+            if where == root:
+                raise unread from None
+            issues.append(unread)
             continue
         for entry in entries:
             path = Path(entry.path)

@@ -17,7 +17,11 @@ A real corpus as it comes:
   stop the run: each goes to ``failures.jsonl`` with its path, ``kind`` and reason, and is counted;
   odd but usable ones (a length mismatch, float audio above full scale) are kept and reported in
   ``warnings.jsonl``; silence (``silence``, ``silence_db``) and short clips (``min_seconds``) follow an
-  explicit policy; failures are retried only when asked (``retry_failures``);
+  explicit policy; failures are retried only when asked (``retry_failures``); a folder the walk cannot
+  read is such a failure too (``list_audio_files``);
+- an error writing the output (a full disk, a file size limit, a read-only disk) is no input's failure:
+  it stops the run with one line naming the path (``OutputWriteError``), the committed units stay, and
+  rerunning the same command continues;
 - the work is cut into units of consecutive tracks, each committed atomically as it finishes: a run
   killed at any point (kill -9 included) and started again with the same command finishes the job with
   the rows an uninterrupted run would have written; other weights or settings are refused; one run at
@@ -227,6 +231,8 @@ def tokenize(
     ``piece_seconds`` is cut into units of that much audio, so that one long track uses every
     worker (None or 0: never split). The unit plan of the first run stays in force.
     ``device`` is recorded in tokenizer.json; TF32 is off wherever the encoder runs.
+    An OS error writing ``out_dir`` raises OutputWriteError (one line: the path, the reason, the units kept,
+    what to do); it is never recorded as an input's failure, and a rerun continues.
     """
     t0 = time.perf_counter()
     segment_samples = int(round(segment_seconds * SAMPLE_RATE)) // HOP_LENGTH * HOP_LENGTH

@@ -72,12 +72,17 @@ def source_spec(src: str | Path, audio_column: str = "audio", split: str | None 
     if streaming:
         return SourceSpec(str(path.resolve()) if path.exists() else str(src), "hf_streaming", audio_column,
                           split or "train")
-    if not path.exists():
-        raise FileNotFoundError(f"source {src} does not exist")
-    if path.is_file() and path.suffix.lower() in MANIFEST_SUFFIXES:
-        return SourceSpec(str(path.resolve()), "manifest")
-    if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-        return SourceSpec(str(path.resolve()), "hf_dataset", audio_column, split)
+    try:
+        if not path.exists():
+            raise FileNotFoundError(f"source {src} does not exist")
+        if path.is_file() and path.suffix.lower() in MANIFEST_SUFFIXES:
+            return SourceSpec(str(path.resolve()), "manifest")
+        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+            return SourceSpec(str(path.resolve()), "hf_dataset", audio_column, split)
+    except OSError as e:  # a source folder that cannot be entered: one line, not a traceback
+        if e.errno is None:  # ours, above
+            raise
+        raise TokenizeError(f"cannot read the source {src}: {e.strerror}") from None
     if path.is_dir():
         return SourceSpec(str(path.resolve()), "folder")
     raise TokenizeError(f"{src} is neither a folder of audio files, a manifest (.csv/.jsonl) nor a dataset "

@@ -9,6 +9,8 @@ of one track (equal lengths are encoded together); rows keep track-then-start or
 A piece of a long track (``Piece``) is one unit too, its rows cut by segments.piece_rows; a piece's
 record carries what it saw, and store.track_verdict judges the track when the output is finished.
 The silence and length policy is in policy.py, encoding in encode.py, worker processes in workers.py.
+An error reading a track is that track's failure; an error writing the part file is the output's
+(``OutputWriteError``): it ends the unit uncommitted, whichever track was being written.
 """
 
 from __future__ import annotations
