@@ -29,7 +29,7 @@ from musiclm_stab.model.objective import acoustic_losses, musical_loss
 class PeerMLM(torch.nn.Module):
     """transformers.HubertModel as the backbone, with our heads and loss on top."""
 
-    def __init__(self, cfg: ModelConfig, heads_from: MusicMLM):
+    def __init__(self, cfg: ModelConfig, heads_from: MusicMLM, attn_implementation: str = "sdpa"):
         super().__init__()
         from transformers import HubertConfig, HubertModel
 
@@ -41,7 +41,7 @@ class PeerMLM(torch.nn.Module):
             num_conv_pos_embedding_groups=cfg.pos_conv_groups, hidden_dropout=cfg.dropout,
             attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
             feat_proj_dropout=cfg.feature_dropout, layerdrop=0.0, mask_time_prob=0.05,  # > 0 so it has masked_spec_embed; our masks are passed in
-            attn_implementation="sdpa")
+            attn_implementation=attn_implementation)
         self.backbone = HubertModel(hc)
         self.acoustic, self.musical, self.cqt = heads_from.acoustic, heads_from.musical, heads_from.cqt
         self.cfg = cfg

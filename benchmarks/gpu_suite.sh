@@ -1,51 +1,73 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 17, and the tokenizer on a GPU (issue 13), in one run, <= 8 minutes on one
-# H200; each table goes to a file in $OUT.
+# Issue 46's GPU measurements in one run on one GPU, in priority order, within a deadline; every table goes to
+# files in $OUT as its section ends, so a run stopped at the deadline keeps what it measured.
 #
-#   bash benchmarks/gpu_suite.sh            # on the GPU machine, from the repository root
-#   bash benchmarks/gpu_suite.sh --smoke    # CPU, tiny sizes, one step each: that the suite runs (tests)
+#   bash benchmarks/gpu_suite.sh            # on the GPU machine, from the repository root (about 7 min on an H200)
+#   bash benchmarks/gpu_suite.sh --smoke    # CPU, tiny sizes, a step or two each: that the suite runs (the tests)
 #
-# Files under $OUT (default ./gpu_suite_out): tables.md (every section's table, appended as it ends),
-# suite.log (all output, each section's wall time), env.txt, and raw.tar.gz (each section's own file and
-# JSON rows; the folder raw/ if the run is cut short). The device tool brings back 8 files at most: hence
-# the bundle. The sections (raw/):
-#   env.txt              GPU, driver, torch / transformers / accelerate versions
-#   bench_gpu.md/.json   our step, base (batch 64) and large (32), bf16 and fp16, frontend conv vs gemm:
-#                        s/step, audio-s/s, MFU vs the 989 TFLOP/s spec and vs the same-run 8192^3 matmul
-#   profile.txt          torch.profiler's top kernels of 3 base bf16 steps (conv frontend)
-#   bench_gpu_compile.md train.compile (frontend + encoder), large and base bf16; "warmup s" = compile time
-#   peer.md/.json        ours vs transformers.HubertModel (our heads and loss), base batch 64, bf16/fp16, pre/post
-#   frontend.md/.json    the conv frontend alone, conv vs gemm, batch 64, bf16/fp16
-#   checkpoint.md/.json  training-loop time blocked per checkpoint, large: synchronous vs background write
-#   fp16_modes.md/.json  fp16 as fairseq computes it (half model, fp32 masters) vs amp (autocast) vs fp32:
-#                        s/step, steps/s and peak memory, base (batch 16) and large (batch 8), 5.12 s crops
-#   fp16_overflow.md     each study recipe at base size, fairseq fp16, 200 steps at 10x MERT-330M's lr
-#                        (1.5e-2): overflow steps, loss scale, skipped/diverged (study_overflow.py; tokens)
-#   tokenize.md          the tokenizer on the CPU (16 workers) and on the GPU, the same tracks and weights
-#                        (made there by make-weights from the same audio): equal codes per codebook, real-time
-#                        factor of each (bench_tokenize.py devices); skipped without .gpu_data/audio
-#   loop.md/.json        the real loop (study recipe, large fp16, batch 8 x 5.12 s, 2 loader workers, real
-#                        tokens) vs the synthetic step at the same batch; skipped without tokens
-#   suite.log            everything printed, with each section's wall time
+# Sections (GPU_SUITE_SECTIONS, default "step peer compile loop runner", run in the order given):
+#   step     bench_gpu.py: the study's step (trainer's precision, fused AdamW, clip) at base (batch 64) and
+#            large (32), 5.12 s crops: fairseq-math, fairseq-relax, bf16-sdpa; then the levers fairseq-math+gemm
+#            (base, large) and +cudnnbench (base); s/step, audio-s/s, MFU (analytic FLOPs / 989 TFLOP/s), torch's
+#            FLOP count as a check, vs an 8192^3 matmul, peak memory, overflowed steps; profile.txt: torch.profiler's
+#            top kernels of 3 base fairseq-math steps and the device time by kernel family
+#   peer     bench_gpu_peer.py: ours / transformers.HubertModel (our heads and loss), same config and precision,
+#            alternating: fairseq-math (peer eager) and bf16-sdpa (peer sdpa), base and large
+#   compile  bench_gpu.py --compile: base fairseq-math compiled as train.compile does (frontend + encoder), then
+#            frontend + each encoder layer; "warmup s" = compile time (the eager row is in step)
+#   loop     bench_gpu_loop.py: the study's real loop (accelerate launch, base fairseq-math, batch 16, 4 loader
+#            workers, real tokens, CQT target, metrics, diagnostics, a checkpoint) vs its synthetic step
+#   runner   bench_gpu_runner.py: 1, 3, 5, 7 study runs (base, batch 16) sharing the GPU as processes, and one
+#            process stepping 3 models in turn: steps/s and steps/min in all, study runs per hour
+# Further sections, named in GPU_SUITE_SECTIONS only (issues 13 and 17; not in the default plan): fp16_modes
+# (bench_fp16.py), fp16_overflow (study_overflow.py), frontend (bench_frontend.py), checkpoint
+# (bench_checkpoint.py), tokenize (bench_tokenize.py devices: needs .gpu_data/audio).
 #
-# The GPU machine has torch, transformers and accelerate but not `datasets` (the real loop's loader needs
-# it) nor a tokenized corpus: benchmarks/gpu_prep.sh (run here, with a registry) puts the wheels in .whl/
-# and a slice of a real tokenized dataset in .gpu_data/tokens; name both in the device tool's carry.
-# Tokens elsewhere: GPU_SUITE_DATA=<tokenized dataset>.
+# Environment: OUT (default ./gpu_suite_out); PYTHON (python3); GPU_SUITE_DEADLINE_S, whole seconds from the
+# start after which no section runs and the one running is stopped (default 470 on a GPU, 1200 with --smoke;
+# each section also has its own limit, and 20 s are kept for the bundle); GPU_SUITE_LIMIT_S, a cap on every
+# section's own limit (default none); GPU_SUITE_DATA, a tokenized dataset
+# for loop (default .gpu_data/tokens, from benchmarks/gpu_prep.sh; a study's own, e.g.
+# <study OUT>/work/default_corpus_tokens, does as well); GPU_SUITE_AUDIO and GPU_SUITE_WEIGHTS for tokenize.
+# Carried wheels: .whl/*.whl are installed into /tmp/site first (gpu_prep.sh fetches datasets and the two
+# packages it needs that the GPU image lacks).
+#
+# Files under $OUT (the device tool brings back 8 at most, 2 folders deep): tables.md (every section's table,
+# appended as it ends, then the sections' status), results.json (every section's status and JSON rows),
+# profile.txt, suite.log (all output, each section's wall time), env.txt, raw.tar.gz (each section's own files;
+# the folder raw/ instead if the run was killed before the end). Exit status 1 if a section failed (not one
+# stopped at the deadline), else 0.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
+T0=$SECONDS
+DEADLINE=${GPU_SUITE_DEADLINE_S:-$([ $SMOKE = 1 ] && echo 1200 || echo 470)}
+CAP=${GPU_SUITE_LIMIT_S:-}   # at most this many seconds for any one section (default: each its own limit)
+for v in "GPU_SUITE_DEADLINE_S=$DEADLINE" "GPU_SUITE_LIMIT_S=$CAP"; do
+  if ! [[ "${v#*=}" =~ ^[0-9]*$ ]]; then
+    echo "error: ${v%%=*} must be whole seconds, got '${v#*=}'" >&2
+    exit 2
+  fi
+done
+RESERVE=20   # seconds kept for the bundle
+SECTIONS=${GPU_SUITE_SECTIONS:-step peer compile loop runner}
+FAILED=""
+KNOWN=" step peer compile loop runner fp16_modes fp16_overflow frontend checkpoint tokenize "
+for s in $SECTIONS; do
+  [[ "$KNOWN" == *" $s "* ]] || { echo "error: GPU_SUITE_SECTIONS: unknown section '$s' (known:$KNOWN)" >&2; exit 2; }
+done
+
 OUT=${OUT:-$PWD/gpu_suite_out}
+rm -rf "$OUT/raw" "$OUT/raw.tar.gz" "$OUT/results.json" "$OUT/profile.txt"
 mkdir -p "$OUT/raw"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the package from this tree (not installed there)
 LOG="$OUT/suite.log"
+STATUS="$OUT/raw/status.jsonl"
 : >"$LOG"
-T0=$SECONDS
-BUDGET=${GPU_SUITE_BUDGET_S:-470}   # the whole suite; a section that would start past it is skipped
-[ $SMOKE = 1 ] && BUDGET=${GPU_SUITE_BUDGET_S:-1200}  # a shared CPU can be slow: limits only against a hang
+: >"$STATUS"
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ $SMOKE = 0 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -53,24 +75,38 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ $SMOKE = 0 ]; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# section NAME TIMEOUT_S OUTFILE CMD...: runs CMD with a time limit, its stdout into raw/OUTFILE, the log
-# and tables.md; a failure or timeout is written there too and the suite goes on.
+# section NAME LIMIT_S OUTFILE CMD...: CMD under a time limit (its own, cut to what the deadline leaves), its
+# stdout into raw/OUTFILE, the log and tables.md; its status into raw/status.jsonl. A failure or a stop at the
+# limit is written there too and the suite goes on.
 section() {
   local name=$1 limit=$2 outfile=$OUT/raw/$3
   shift 3
-  local left=$((BUDGET - (SECONDS - T0)))
-  if [ "$left" -le 10 ]; then
-    echo "SKIPPED $name: the suite's budget of ${BUDGET} s is spent" | tee -a "$LOG" >"$outfile"
+  local left=$((DEADLINE - RESERVE - (SECONDS - T0))) status rc=0 t=$SECONDS start
+  if [ "$left" -lt 20 ]; then
+    echo "SKIPPED $name: the suite's deadline (${DEADLINE} s) leaves ${left} s" | tee -a "$LOG" >"$outfile"
+    status=skipped
+    limit=0
   else
     [ "$limit" -gt "$left" ] && limit=$left
-    local t=$SECONDS
+    [ -n "$CAP" ] && [ "$limit" -gt "$CAP" ] && limit=$CAP
+    start=$(date +%s)
     echo "=== $name (limit ${limit} s) ===" | tee -a "$LOG"
     timeout --kill-after=10 "$limit" "$@" 2>>"$LOG" | tee -a "$LOG" >"$outfile"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -ne 0 ] && echo "FAILED $name: exit status $rc (124: over its ${limit} s limit); see suite.log" \
-      | tee -a "$LOG" >>"$outfile"
+    rc=${PIPESTATUS[0]}
+    status=ok
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+      status=stopped
+      echo "STOPPED $name at its limit of ${limit} s (the rows above are the finished ones); see suite.log" \
+        | tee -a "$LOG" >>"$outfile"
+    elif [ "$rc" != 0 ]; then
+      status=failed
+      FAILED="$FAILED $name"
+      echo "FAILED $name: exit status $rc; see suite.log" | tee -a "$LOG" >>"$outfile"
+    fi
     echo "=== $name: $((SECONDS - t)) s (suite so far $((SECONDS - T0)) s) ===" | tee -a "$LOG"
   fi
+  printf '{"section": "%s", "status": "%s", "exit": %d, "limit_s": %d, "wall_s": %d, "started_unix": %s}\n' \
+    "$name" "$status" "$rc" "$limit" "$((SECONDS - t))" "${start:-null}" >>"$STATUS"
   printf '\n## %s\n\n' "$name" >>"$OUT/tables.md"
   cat "$outfile" >>"$OUT/tables.md"
 }
@@ -78,97 +114,170 @@ section() {
 # skip NAME OUTFILE REASON
 skip() {
   echo "SKIPPED $1: $3" | tee -a "$LOG" >"$OUT/raw/$2"
+  printf '{"section": "%s", "status": "skipped", "exit": 0, "limit_s": 0, "wall_s": 0, "reason": "%s"}\n' \
+    "$1" "$3" >>"$STATUS"
   printf '\n## %s\n\nSKIPPED: %s\n' "$1" "$3" >>"$OUT/tables.md"
 }
 
-# bundle: raw/ into raw.tar.gz (the device tool brings back 8 files at most)
+# bundle: results.json (statuses and every JSON under raw/), the status table, raw/ into raw.tar.gz
 bundle() {
+  [ -n "${SAMPLER:-}" ] && kill "$SAMPLER" 2>/dev/null
+  $PY - "$OUT" <<'PYEOF' >>"$LOG" 2>&1 || echo "results.json not written (see suite.log)" | tee -a "$LOG"
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+raw = out / "raw"
+status = [json.loads(line) for line in (raw / "status.jsonl").read_text().splitlines() if line.strip()]
+data = {}
+for path in sorted(raw.rglob("*.json")):
+    try:
+        data[str(path.relative_to(raw))] = json.loads(path.read_text())
+    except ValueError as e:  # a file cut mid-write at the deadline: say so, keep the rest
+        data[str(path.relative_to(raw))] = {"unreadable": str(e)}
+env = (out / "env.txt").read_text() if (out / "env.txt").exists() else ""
+(out / "results.json").write_text(json.dumps({"env": env, "sections": status, "files": data}, indent=1) + "\n")
+with (out / "tables.md").open("a") as f:
+    f.write("\n## sections\n\n| section | status | wall s | limit s |\n|---|---|---|---|\n")
+    for s in status:
+        f.write(f"| {s['section']} | {s['status']} | {s['wall_s']} | {s['limit_s']} |\n")
+PYEOF
   tar -czf "$OUT/raw.tar.gz" -C "$OUT" raw && rm -rf "$OUT/raw"
   echo "suite done in $((SECONDS - T0)) s" | tee -a "$LOG"
 }
 
 DATA=${GPU_SUITE_DATA:-.gpu_data/tokens}
 AUDIO=${GPU_SUITE_AUDIO:-.gpu_data/audio}
-# the weights for the tokenizer section: GPU_SUITE_WEIGHTS, else made there from $AUDIO (the same bytes on
-# every CPU measured), into its work folder
 WEIGHTS=(${GPU_SUITE_WEIGHTS:+--weights "$GPU_SUITE_WEIGHTS"})
 {
   date -u
-  echo "smoke=$SMOKE data=$DATA"
+  echo "smoke=$SMOKE data=$DATA deadline=${DEADLINE}s sections=$SECTIONS"
   if [ $SMOKE = 0 ]; then  # the versions (importing transformers alone takes seconds: not in the smoke run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
     $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
-    $PY -c "import pyarrow; print('pyarrow', pyarrow.__version__)" 2>&1 | tail -1
+'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
     $PY -c "import datasets; print('datasets', datasets.__version__)" 2>&1 | tail -1
+    nproc
   fi
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt" >>"$LOG"
 printf '# gpu_suite.sh tables (%s)\n\n```\n%s\n```\n' "$(date -u +%FT%TZ)" "$(cat "$OUT/env.txt")" >"$OUT/tables.md"
+if [ $SMOKE = 0 ] && command -v nvidia-smi >/dev/null; then  # GPU use over the whole run, once a second
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw,clocks.sm --format=csv -l 1 \
+    >"$OUT/raw/gpu_use.csv" 2>/dev/null &
+  SAMPLER=$!
+fi
 
-if [ $SMOKE = 1 ]; then  # every section once, as small as it goes: that the suite runs, not what it measures
+if [ $SMOKE = 1 ]; then  # every section as small as it goes: that the suite runs, not what it measures
+  # one torch thread per process: on a shared CPU, threads spin-waiting for a core cost more than they give
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   DEV=(--device cpu)
-  section bench_gpu 300 bench_gpu.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --dtypes fp32 --batch 1 \
-    --seconds 0.5 --steps 1 --warmup 1 --frontend gemm --profile "$OUT/profile.txt" --json "$OUT/raw/bench_gpu.json"
-  section peer 300 peer.md $PY benchmarks/bench_gpu_peer.py "${DEV[@]}" --size tiny --dtypes fp32 --schemes pre \
-    --batch 1 --seconds 0.5 --steps 1 --warmup 1 --json "$OUT/raw/peer.json"
-  section frontend 300 frontend.md $PY benchmarks/bench_frontend.py "${DEV[@]}" --conv-dim 16 --batch 1 --seconds 0.5 \
-    --dtypes fp32 --repeats 1 --json "$OUT/raw/frontend.json"
-  section checkpoint 300 checkpoint.md $PY benchmarks/bench_checkpoint.py "${DEV[@]}" --sizes tiny --rounds 1 \
-    --dir "${TMPDIR:-/tmp}/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json"
-  section fp16_modes 300 fp16_modes.md $PY benchmarks/bench_fp16.py "${DEV[@]}" --layers 1 --batch 1 --seconds 0.5 \
-    --rounds 1 --warmup 1 --json "$OUT/raw/fp16_modes.json"
-  if [ -d "$DATA" ]; then
-    section loop 300 loop.md $PY benchmarks/bench_gpu_loop.py "${DEV[@]}" --data "$DATA" --config recipes/tiny.yaml \
-      --size tiny --dtype fp32 --batch 1 --seconds 0.5 --workers 0 --steps 2 --log-every 1 --skip-rows 0 \
-      --synthetic-steps 1 --out "$OUT/raw/loop"
-    section fp16_overflow 300 fp16_overflow.md $PY benchmarks/study_overflow.py "${DEV[@]}" --data "$DATA" \
-      --overlay recipes/overlays/tiny.yaml --steps 2 --recipes study_prenorm_attnrelax_clip1 \
-      --set data.batch_size=1 data.crop_seconds=0.5 data.eval_fraction=0 --out "${TMPDIR:-/tmp}/gpu_suite_overflow_$$"
-  else
-    skip loop loop.md "no tokenized dataset at $DATA"
-  fi
-  if [ -d "$AUDIO" ]; then
-    section tokenize 300 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 1 \
-      --devices cpu cpu --work "${TMPDIR:-/tmp}/gpu_suite_tok_$$" "${WEIGHTS[@]}"
-  else
-    skip tokenize tokenize.md "no audio at $AUDIO"
-  fi
-  bundle
-  exit 0
+  TINY=(--batch 1 --seconds 0.64)
+  TMP=${TMPDIR:-/tmp}
+else
+  DEV=()
+  TMP=/tmp
 fi
 
-# GPU. Order: fp16 as MERT computed it first (the study stands on it), then issue 17's table, then the rest.
-section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
-  --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json && $PY benchmarks/bench_fp16.py --device cuda \
-  --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json"
-if [ -d "$DATA" ]; then
-  section fp16_overflow 150 fp16_overflow.md $PY benchmarks/study_overflow.py --data "$DATA" --lr 1.5e-2 \
-    --steps 200 --out /tmp/gpu_suite_overflow
-else
-  skip fp16_overflow fp16_overflow.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one)"
-fi
-section bench_gpu 150 bench_gpu.md $PY benchmarks/bench_gpu.py --sizes base large --dtypes bf16 fp16 \
-  --frontend conv gemm --steps 15 --warmup 3 --profile "$OUT/profile.txt" --json "$OUT/raw/bench_gpu.json"
-section peer 60 peer.md $PY benchmarks/bench_gpu_peer.py --size base --batch 64 --dtypes bf16 fp16 \
-  --schemes pre post --steps 8 --warmup 2 --json "$OUT/raw/peer.json"
-section frontend 30 frontend.md $PY benchmarks/bench_frontend.py --device cuda --batch 64 --dtypes bf16 fp16 \
-  --repeats 10 --json "$OUT/raw/frontend.json"
-if [ -d "$DATA" ]; then
-  section loop 90 loop.md $PY benchmarks/bench_gpu_loop.py --data "$DATA" \
-    --config recipes/study_prenorm_clip1_run2.yaml --size large --dtype fp16 --batch 8 --seconds 5.12 \
-    --workers 2 --steps 150 --log-every 10 --skip-rows 3 --out "$OUT/raw/loop"
-else
-  skip loop loop.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one)"
-fi
-section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
-  --dir /tmp/gpu_suite_ckpt --json "$OUT/raw/checkpoint.json"
-if [ -d "$AUDIO" ]; then
-  section tokenize 90 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 4 \
-    --devices cpu cuda --work /tmp/gpu_suite_tok "${WEIGHTS[@]}"
-else
-  skip tokenize tokenize.md "no audio at $AUDIO (benchmarks/gpu_prep.sh copies some)"
-fi
-section bench_gpu_compile 150 bench_gpu_compile.md $PY benchmarks/bench_gpu.py --sizes large base --dtypes bf16 \
-  --compile --steps 15 --warmup 3 --json "$OUT/raw/bench_gpu_compile.json"
+for s in $SECTIONS; do
+  case $s in
+  step)
+    if [ $SMOKE = 1 ]; then
+      section step 300 step.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --cases fairseq-math \
+        --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1 --profile "$OUT/profile.txt" \
+        --json "$OUT/raw/step.json"
+    else
+      section step 150 step.md $PY benchmarks/bench_gpu.py --sizes base large \
+        --cases fairseq-math fairseq-relax bf16-sdpa \
+        --extra base:fairseq-math+gemm base:fairseq-math+cudnnbench large:fairseq-math+gemm \
+        --steps 10 --warmup 3 --profile "$OUT/profile.txt" --json "$OUT/raw/step.json"
+    fi ;;
+  peer)
+    if [ $SMOKE = 1 ]; then
+      section peer 300 peer.md $PY benchmarks/bench_gpu_peer.py "${DEV[@]}" --sizes tiny --cases fp32-sdpa \
+        "${TINY[@]}" --steps 1 --warmup 1 --json "$OUT/raw/peer.json"
+    else
+      section peer 100 peer.md $PY benchmarks/bench_gpu_peer.py --sizes base large --cases fairseq-math bf16-sdpa \
+        --steps 6 --warmup 2 --json "$OUT/raw/peer.json"
+    fi ;;
+  compile)
+    if [ $SMOKE = 1 ]; then  # the eager backend: dynamo's tracing without inductor's code generation
+      section compile 300 compile.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --cases fp32-sdpa \
+        "${TINY[@]}" --steps 1 --warmup 1 --compile layers --compile-backend eager --json "$OUT/raw/compile.json"
+    else
+      section compile 130 compile.md bash -c "$PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math \
+        --compile trainer --steps 10 --warmup 3 --json $OUT/raw/compile_trainer.json && $PY benchmarks/bench_gpu.py \
+        --sizes base --cases fairseq-math --compile layers --steps 10 --warmup 3 --json $OUT/raw/compile_layers.json"
+    fi ;;
+  loop)
+    if [ ! -d "$DATA" ]; then
+      skip loop loop.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one; or set GPU_SUITE_DATA)"
+    elif [ $SMOKE = 1 ]; then
+      section loop 300 loop.md $PY benchmarks/bench_gpu_loop.py "${DEV[@]}" --data "$DATA" --size tiny \
+        "${TINY[@]}" --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1 --out "$OUT/raw/loop"
+    else
+      section loop 100 loop.md $PY benchmarks/bench_gpu_loop.py --data "$DATA" --steps 200 --log-every 10 \
+        --skip-rows 3 --out "$OUT/raw/loop"
+    fi ;;
+  runner)
+    if [ $SMOKE = 1 ]; then
+      section runner 300 runner.md $PY benchmarks/bench_gpu_runner.py "${DEV[@]}" --size tiny --case fp32-sdpa \
+        "${TINY[@]}" --jobs 1 2 --inproc 2 --window 1 --lead 0.3 --warmup 1 --json "$OUT/raw/runner.json"
+    else
+      section runner 120 runner.md $PY benchmarks/bench_gpu_runner.py --jobs 1 3 5 7 --inproc 3 --window 12 \
+        --lead 2 --json "$OUT/raw/runner.json"
+    fi ;;
+  fp16_modes)
+    if [ $SMOKE = 1 ]; then
+      section fp16_modes 300 fp16_modes.md $PY benchmarks/bench_fp16.py "${DEV[@]}" --layers 1 --batch 1 \
+        --seconds 0.5 --rounds 1 --warmup 1 --json "$OUT/raw/fp16_modes.json"
+    else
+      section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
+        --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json && $PY benchmarks/bench_fp16.py --device cuda \
+        --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json"
+    fi ;;
+  fp16_overflow)
+    if [ ! -d "$DATA" ]; then
+      skip fp16_overflow fp16_overflow.md "no tokenized dataset at $DATA"
+    elif [ $SMOKE = 1 ]; then
+      section fp16_overflow 300 fp16_overflow.md $PY benchmarks/study_overflow.py "${DEV[@]}" --data "$DATA" \
+        --overlay recipes/overlays/tiny.yaml --steps 2 --recipes study_prenorm_attnrelax_clip1 \
+        --set data.batch_size=1 data.crop_seconds=0.5 data.eval_fraction=0 --out "$TMP/gpu_suite_overflow_$$"
+    else
+      section fp16_overflow 150 fp16_overflow.md $PY benchmarks/study_overflow.py --data "$DATA" --lr 1.5e-2 \
+        --steps 200 --out /tmp/gpu_suite_overflow
+    fi ;;
+  frontend)
+    if [ $SMOKE = 1 ]; then
+      section frontend 300 frontend.md $PY benchmarks/bench_frontend.py "${DEV[@]}" --conv-dim 16 --batch 1 \
+        --seconds 0.5 --dtypes fp32 --repeats 1 --json "$OUT/raw/frontend.json"
+    else
+      section frontend 30 frontend.md $PY benchmarks/bench_frontend.py --device cuda --batch 64 --dtypes bf16 fp16 \
+        --repeats 10 --json "$OUT/raw/frontend.json"
+    fi ;;
+  checkpoint)
+    if [ $SMOKE = 1 ]; then
+      section checkpoint 300 checkpoint.md $PY benchmarks/bench_checkpoint.py "${DEV[@]}" --sizes tiny --rounds 1 \
+        --dir "$TMP/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json"
+    else
+      section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
+        --dir /tmp/gpu_suite_ckpt --json "$OUT/raw/checkpoint.json"
+    fi ;;
+  tokenize)
+    if [ ! -d "$AUDIO" ]; then
+      skip tokenize tokenize.md "no audio at $AUDIO (GPU_PREP_TRACKS=4 benchmarks/gpu_prep.sh copies some)"
+    elif [ $SMOKE = 1 ]; then
+      section tokenize 300 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 1 \
+        --devices cpu cpu --work "$TMP/gpu_suite_tok_$$" "${WEIGHTS[@]}"
+    else
+      section tokenize 90 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 4 \
+        --devices cpu cuda --work /tmp/gpu_suite_tok "${WEIGHTS[@]}"
+    fi ;;
+  esac
+done
 bundle
+if [ -n "$FAILED" ]; then
+  echo "failed sections:$FAILED" | tee -a "$LOG" >&2
+  exit 1
+fi
