@@ -56,17 +56,42 @@ def test_a_precision_the_project_lacks_is_refused_naming_both():
         launched_precision(_tiny(), {ACCELERATE_PRECISION_ENV: "fp8"})
 
 
-def _launch(tmp_path: Path, data: Path, name: str, *accelerate_args: str) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, data: Path, name: str, *accelerate_args: str) -> subprocess.Popen:
+    """`accelerate launch [accelerate_args] recipes/pretrain.py` of one step of the fp32 tiny recipe, its output
+    in tmp/<name>.out and .err (files, not pipes: a full pipe would stall one launch while we wait on the other)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     cmd = [ACCELERATE, "launch", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no",
            *accelerate_args, str(REPO / "recipes" / "pretrain.py"), "--config", str(REPO / "recipes" / "tiny.yaml"),
-           f"--data.path={data}", f"--train.output_dir={tmp_path / 'runs'}", f"--train.name={name}",
+           f"--data.path={data}", f"--train.output_dir={tmp / 'runs'}", f"--train.name={name}",
            "--train.max_steps=1", "--data.crop_seconds=2.0", "--data.batch_size=2", "--optim.warmup_steps=1",
            "--train.trackers=[]"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "TQDM_DISABLE": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=tmp, env={**env, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"},
+                                stdout=out, stderr=err)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tokenized_dataset) -> dict[str, tuple[Path, str]]:
+    """Two launches at once (each mostly waits on its start-up: together they take the time of one): bf16
+    asked by accelerate's flag, and by an accelerate config file. {way: (run directory, stdout)}."""
+    tmp = tmp_path_factory.mktemp("accelerate_precision")
+    config_file = tmp / "accelerate.yaml"
+    config_file.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+                                           "num_machines": 1, "num_processes": 1, "mixed_precision": "bf16"}))
+    procs = {"flag": _launch(tmp, tokenized_dataset, "flag", "--mixed_precision", "bf16"),
+             "file": _launch(tmp, tokenized_dataset, "file", "--config_file", str(config_file))}
+    out = {}
+    try:
+        for way, proc in procs.items():
+            proc.wait(timeout=600)
+            assert proc.returncode == 0, (tmp / f"{way}.err").read_text()[-3000:]
+            out[way] = (tmp / "runs" / way, (tmp / f"{way}.out").read_text())
+    finally:
+        for proc in procs.values():  # one failed: the other is not left running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
 
 
 def _trained_in(run_dir: Path) -> str:
@@ -74,20 +99,17 @@ def _trained_in(run_dir: Path) -> str:
 
 
 @pytest.mark.slow
-def test_accelerate_launch_flag_sets_the_runs_precision(tmp_path, tokenized_dataset):
+def test_accelerate_launch_flag_sets_the_runs_precision(launched):
     """`accelerate launch --mixed_precision bf16` on the fp32 tiny recipe trains in bf16 (the run's config.yaml
     records it, the run's line says it) instead of silently training in fp32."""
-    proc = _launch(tmp_path, tokenized_dataset, "flag", "--mixed_precision", "bf16")
-    assert _trained_in(tmp_path / "runs" / "flag") == "bf16"
-    assert "precision=bf16" in proc.stdout and "train.mixed_precision=no" in proc.stdout
+    run_dir, stdout = launched["flag"]
+    assert _trained_in(run_dir) == "bf16"
+    assert "precision=bf16" in stdout and "train.mixed_precision=no" in stdout
 
 
 @pytest.mark.slow
-def test_accelerate_config_file_sets_the_runs_precision(tmp_path, tokenized_dataset):
+def test_accelerate_config_file_sets_the_runs_precision(launched):
     """The same through an accelerate config file (`accelerate launch --config_file`, mixed_precision: bf16)."""
-    config_file = tmp_path / "accelerate.yaml"
-    config_file.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
-                                           "num_machines": 1, "num_processes": 1, "mixed_precision": "bf16"}))
-    proc = _launch(tmp_path, tokenized_dataset, "file", "--config_file", str(config_file))
-    assert _trained_in(tmp_path / "runs" / "file") == "bf16"
-    assert "precision=bf16" in proc.stdout
+    run_dir, stdout = launched["file"]
+    assert _trained_in(run_dir) == "bf16"
+    assert "precision=bf16" in stdout and "train.mixed_precision=no" in stdout
