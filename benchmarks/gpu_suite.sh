@@ -87,6 +87,7 @@ section() {
     status=skipped
     limit=0
   else
+    [ $SMOKE = 1 ] && limit=600  # a shared CPU can be slow: the limits only guard against a hang there
     [ "$limit" -gt "$left" ] && limit=$left
     [ -n "$CAP" ] && [ "$limit" -gt "$CAP" ] && limit=$CAP
     start=$(date +%s)
@@ -169,110 +170,79 @@ if [ $SMOKE = 0 ] && command -v nvidia-smi >/dev/null; then  # GPU use over the 
   SAMPLER=$!
 fi
 
-if [ $SMOKE = 1 ]; then  # every section as small as it goes: that the suite runs, not what it measures
+# Each section's command is the GPU plan's; with --smoke, the arguments after it (S) make it tiny and put it on
+# the CPU: the last value of an option wins, so the smoke run also checks that every option of the GPU plan parses.
+TMP=/tmp
+S=()
+TINY=()
+if [ $SMOKE = 1 ]; then
   # one torch thread per process: on a shared CPU, threads spin-waiting for a core cost more than they give
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  DEV=(--device cpu)
-  TINY=(--batch 1 --seconds 0.64)
   TMP=${TMPDIR:-/tmp}
-else
-  DEV=()
-  TMP=/tmp
+  TINY=(--batch 1 --seconds 0.64)
 fi
+smoke() { if [ $SMOKE = 1 ]; then S=("$@"); else S=(); fi; }
 
 for s in $SECTIONS; do
   case $s in
   step)
-    if [ $SMOKE = 1 ]; then
-      section step 300 step.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --cases fairseq-math \
-        --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1 --profile "$OUT/profile.txt" \
-        --json "$OUT/raw/step.json"
-    else
-      section step 150 step.md $PY benchmarks/bench_gpu.py --sizes base large \
-        --cases fairseq-math fairseq-relax bf16-sdpa \
-        --extra base:fairseq-math+gemm base:fairseq-math+cudnnbench large:fairseq-math+gemm \
-        --steps 10 --warmup 3 --profile "$OUT/profile.txt" --json "$OUT/raw/step.json"
-    fi ;;
+    smoke --device cpu --sizes tiny --cases fairseq-math --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1
+    section step 150 step.md $PY benchmarks/bench_gpu.py --sizes base large --cases fairseq-math fairseq-relax bf16-sdpa \
+      --extra base:fairseq-math+gemm base:fairseq-math+cudnnbench large:fairseq-math+gemm --steps 10 --warmup 3 \
+      --profile "$OUT/profile.txt" --json "$OUT/raw/step.json" "${S[@]}" ;;
   peer)
-    if [ $SMOKE = 1 ]; then
-      section peer 300 peer.md $PY benchmarks/bench_gpu_peer.py "${DEV[@]}" --sizes tiny --cases fp32-sdpa \
-        "${TINY[@]}" --steps 1 --warmup 1 --json "$OUT/raw/peer.json"
-    else
-      section peer 100 peer.md $PY benchmarks/bench_gpu_peer.py --sizes base large --cases fairseq-math bf16-sdpa \
-        --steps 6 --warmup 2 --json "$OUT/raw/peer.json"
-    fi ;;
+    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 1
+    section peer 100 peer.md $PY benchmarks/bench_gpu_peer.py --sizes base large --cases fairseq-math bf16-sdpa \
+      --steps 6 --warmup 2 --json "$OUT/raw/peer.json" "${S[@]}" ;;
   compile)
-    if [ $SMOKE = 1 ]; then  # the eager backend: dynamo's tracing without inductor's code generation
-      section compile 300 compile.md $PY benchmarks/bench_gpu.py "${DEV[@]}" --sizes tiny --cases fp32-sdpa \
-        "${TINY[@]}" --steps 1 --warmup 1 --compile layers --compile-backend eager --json "$OUT/raw/compile.json"
-    else
-      section compile 130 compile.md bash -c "$PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math \
-        --compile trainer --steps 10 --warmup 3 --json $OUT/raw/compile_trainer.json && $PY benchmarks/bench_gpu.py \
-        --sizes base --cases fairseq-math --compile layers --steps 10 --warmup 3 --json $OUT/raw/compile_layers.json"
-    fi ;;
+    # as train.compile does, then per layer; the second also when the first failed; the worse exit status of the
+    # two. Smoke: the eager backend (dynamo's tracing without inductor's code generation)
+    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 1 --compile-backend eager
+    section compile 130 compile.md bash -c "$PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math \
+      --compile trainer --steps 10 --warmup 3 --json $OUT/raw/compile_trainer.json ${S[*]}; a=\$?; \
+      $PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math --compile layers --steps 10 --warmup 3 \
+      --json $OUT/raw/compile_layers.json ${S[*]}; b=\$?; exit \$(( a > b ? a : b ))" ;;
   loop)
-    if [ ! -d "$DATA" ]; then
-      skip loop loop.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one; or set GPU_SUITE_DATA)"
-    elif [ $SMOKE = 1 ]; then
-      section loop 300 loop.md $PY benchmarks/bench_gpu_loop.py "${DEV[@]}" --data "$DATA" --size tiny \
-        "${TINY[@]}" --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1 --out "$OUT/raw/loop"
-    else
+    smoke --device cpu --size tiny "${TINY[@]}" --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1
+    if [ -d "$DATA" ]; then
       section loop 100 loop.md $PY benchmarks/bench_gpu_loop.py --data "$DATA" --steps 200 --log-every 10 \
-        --skip-rows 3 --out "$OUT/raw/loop"
+        --skip-rows 3 --out "$OUT/raw/loop" "${S[@]}"
+    else
+      skip loop loop.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one; or set GPU_SUITE_DATA)"
     fi ;;
   runner)
-    if [ $SMOKE = 1 ]; then
-      section runner 300 runner.md $PY benchmarks/bench_gpu_runner.py "${DEV[@]}" --size tiny --case fp32-sdpa \
-        "${TINY[@]}" --jobs 1 2 --inproc 2 --window 1 --lead 0.3 --warmup 1 --json "$OUT/raw/runner.json"
-    else
-      section runner 120 runner.md $PY benchmarks/bench_gpu_runner.py --jobs 1 3 5 7 --inproc 3 --window 12 \
-        --lead 2 --json "$OUT/raw/runner.json"
-    fi ;;
+    smoke --device cpu --size tiny --case fp32-sdpa "${TINY[@]}" --jobs 1 2 --inproc 2 --window 1 --lead 0.3 --warmup 1
+    section runner 120 runner.md $PY benchmarks/bench_gpu_runner.py --jobs 1 3 5 7 --inproc 3 --window 12 --lead 2 \
+      --json "$OUT/raw/runner.json" "${S[@]}" ;;
   fp16_modes)
-    if [ $SMOKE = 1 ]; then
-      section fp16_modes 300 fp16_modes.md $PY benchmarks/bench_fp16.py "${DEV[@]}" --layers 1 --batch 1 \
-        --seconds 0.5 --rounds 1 --warmup 1 --json "$OUT/raw/fp16_modes.json"
-    else
-      section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
-        --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json && $PY benchmarks/bench_fp16.py --device cuda \
-        --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json"
-    fi ;;
+    smoke --device cpu --size tiny --layers 1 --batch 1 --seconds 0.5 --rounds 1 --warmup 1
+    section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
+      --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json ${S[*]} && $PY benchmarks/bench_fp16.py \
+      --device cuda --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json ${S[*]}" ;;
   fp16_overflow)
-    if [ ! -d "$DATA" ]; then
-      skip fp16_overflow fp16_overflow.md "no tokenized dataset at $DATA"
-    elif [ $SMOKE = 1 ]; then
-      section fp16_overflow 300 fp16_overflow.md $PY benchmarks/study_overflow.py "${DEV[@]}" --data "$DATA" \
-        --overlay recipes/overlays/tiny.yaml --steps 2 --recipes study_prenorm_attnrelax_clip1 \
-        --set data.batch_size=1 data.crop_seconds=0.5 data.eval_fraction=0 --out "$TMP/gpu_suite_overflow_$$"
-    else
+    smoke --device cpu --overlay recipes/overlays/tiny.yaml --steps 2 --recipes study_prenorm_attnrelax_clip1 \
+      --set data.batch_size=1 data.crop_seconds=0.5 data.eval_fraction=0
+    if [ -d "$DATA" ]; then
       section fp16_overflow 150 fp16_overflow.md $PY benchmarks/study_overflow.py --data "$DATA" --lr 1.5e-2 \
-        --steps 200 --out /tmp/gpu_suite_overflow
+        --steps 200 --out "$TMP/gpu_suite_overflow_$$" "${S[@]}"
+    else
+      skip fp16_overflow fp16_overflow.md "no tokenized dataset at $DATA"
     fi ;;
   frontend)
-    if [ $SMOKE = 1 ]; then
-      section frontend 300 frontend.md $PY benchmarks/bench_frontend.py "${DEV[@]}" --conv-dim 16 --batch 1 \
-        --seconds 0.5 --dtypes fp32 --repeats 1 --json "$OUT/raw/frontend.json"
-    else
-      section frontend 30 frontend.md $PY benchmarks/bench_frontend.py --device cuda --batch 64 --dtypes bf16 fp16 \
-        --repeats 10 --json "$OUT/raw/frontend.json"
-    fi ;;
+    smoke --device cpu --conv-dim 16 --batch 1 --seconds 0.5 --dtypes fp32 --repeats 1
+    section frontend 30 frontend.md $PY benchmarks/bench_frontend.py --device cuda --batch 64 --dtypes bf16 fp16 \
+      --repeats 10 --json "$OUT/raw/frontend.json" "${S[@]}" ;;
   checkpoint)
-    if [ $SMOKE = 1 ]; then
-      section checkpoint 300 checkpoint.md $PY benchmarks/bench_checkpoint.py "${DEV[@]}" --sizes tiny --rounds 1 \
-        --dir "$TMP/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json"
-    else
-      section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
-        --dir /tmp/gpu_suite_ckpt --json "$OUT/raw/checkpoint.json"
-    fi ;;
+    smoke --device cpu --sizes tiny --rounds 1
+    section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
+      --dir "$TMP/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json" "${S[@]}" ;;
   tokenize)
-    if [ ! -d "$AUDIO" ]; then
-      skip tokenize tokenize.md "no audio at $AUDIO (GPU_PREP_TRACKS=4 benchmarks/gpu_prep.sh copies some)"
-    elif [ $SMOKE = 1 ]; then
-      section tokenize 300 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 1 \
-        --devices cpu cpu --work "$TMP/gpu_suite_tok_$$" "${WEIGHTS[@]}"
-    else
+    smoke --tracks 1 --devices cpu cpu
+    if [ -d "$AUDIO" ]; then
       section tokenize 90 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 4 \
-        --devices cpu cuda --work /tmp/gpu_suite_tok "${WEIGHTS[@]}"
+        --devices cpu cuda --work "$TMP/gpu_suite_tok_$$" "${WEIGHTS[@]}" "${S[@]}"
+    else
+      skip tokenize tokenize.md "no audio at $AUDIO (benchmarks/gpu_prep.sh ... 8 4 copies 4 tracks)"
     fi ;;
   esac
 done

@@ -46,18 +46,20 @@ def _part(tables: str, section: str) -> str:
 
 
 def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, tmp_path):
-    """benchmarks/gpu_suite.sh --smoke (CPU, tiny, a step or two each) runs issue 46's plan end to end: the study's
-    step with its MFU (analytic FLOPs, agreeing with torch's count) and a lever, the profile, ours vs HubertModel,
-    compile, the real loop vs the synthetic step on real tokens, runs sharing the device as processes and in one
-    process; every section ends with its table row in tables.md, none failed or skipped, and results.json and the
-    bundle hold every section's status and JSON rows, as the GPU run's will."""
+    """benchmarks/gpu_suite.sh --smoke (CPU, tiny, a step or two each; the GPU plan's own command lines with tiny
+    settings after them, so every option of the GPU plan parses) runs issue 46's plan end to end: the study's step
+    with its MFU (analytic FLOPs, agreeing with torch's count) and a lever, the profile, ours vs HubertModel,
+    compile both ways, the real loop vs the synthetic step on real tokens, runs sharing the device as processes
+    and in one process; every section ends with its table row in tables.md, none failed or skipped, and
+    results.json and the bundle hold every section's status and JSON rows, as the GPU run's will."""
     proc, out = _suite(tmp_path, "--smoke", GPU_SUITE_DATA=str(tokenized_dataset))
     log = (out / "suite.log").read_text() if (out / "suite.log").exists() else proc.stderr
     assert proc.returncode == 0, log[-3000:]
     tables = (out / "tables.md").read_text()
     assert "FAILED" not in tables and "SKIPPED" not in tables and "STOPPED" not in tables, log[-3000:]
     for section, row in [("step", "| tiny | fairseq-math | none | 1 |"), ("step", "| tiny | fp32-sdpa+gemm | none | 1 |"),
-                         ("peer", "| tiny | fp32-sdpa | sdpa | 1 |"), ("compile", "| tiny | fp32-sdpa | layers | 1 |"),
+                         ("peer", "| tiny | fp32-sdpa | sdpa | 1 |"), ("compile", "| tiny | fp32-sdpa | trainer | 1 |"),
+                         ("compile", "| tiny | fp32-sdpa | layers | 1 |"),
                          ("loop", "| tiny | fairseq-math | 1 x 0.64 s | 0 |"), ("runner", "| processes | 2 |"),
                          ("runner", "| 1 process, models in turn | 2 |")]:
         assert row in _part(tables, section), (section, _part(tables, section))
@@ -74,14 +76,15 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tokenized_dataset, tmp_path):
     assert step["tflop_per_step"] > 0 and step["counted_over_analytic"] == pytest.approx(1.0, abs=1e-9)
     assert math.isfinite(step["vs_matmul"]) and step["vs_matmul"] > 0 and "profile" in step
     assert gemm["levers"] == ["gemm"]
-    assert files["loop/loop.json"]["loop_s_per_step_mean"] > 0 and files["compile.json"][0]["compile"] == "layers"
+    assert files["loop/loop.json"]["loop_s_per_step_mean"] > 0
+    assert [files[f"compile_{how}.json"][0]["compile"] for how in ("trainer", "layers")] == ["trainer", "layers"]
     runner = files["runner.json"]
     assert [(r["layout"], r["runs"]) for r in runner] == [("processes", 1), ("processes", 2),
                                                           ("1 process, models in turn", 2)]
     assert all(r["steps_per_s_all"] > 0 for r in runner)
     with tarfile.open(out / "raw.tar.gz") as tar:
         names = set(tar.getnames())
-    for name in ("step.json", "peer.json", "compile.json", "runner.json", "loop/loop.json", "status.jsonl"):
+    for name in ("step.json", "peer.json", "compile_layers.json", "runner.json", "loop/loop.json", "status.jsonl"):
         assert f"raw/{name}" in names, sorted(names)
     assert not (out / "raw").exists()
 
@@ -108,7 +111,7 @@ def test_gpu_suite_smoke_runs_the_further_sections_on_cpu(tokenized_dataset, loc
         assert row in _part(tables, section), (section, _part(tables, section))
     results = json.loads((out / "results.json").read_text())
     assert {s["status"] for s in results["sections"]} == {"ok"}
-    assert {"fp16_modes.json", "frontend.json", "checkpoint.json"} <= set(results["files"])
+    assert {"fp16_base.json", "fp16_large.json", "frontend.json", "checkpoint.json"} <= set(results["files"])
 
 
 def test_gpu_suite_stops_a_section_at_its_limit_and_skips_past_the_deadline(tmp_path):
