@@ -80,3 +80,58 @@ def test_a_broken_codes_file_is_named(tokenized_dataset, tmp_path, capsys):
     assert f"{bad} is not a codes file" in capsys.readouterr().err
     assert cli_main(["restore", str(tokenized_dataset), str(tmp_path / "missing.npz.xz")]) == 2
     assert "missing.npz.xz" in capsys.readouterr().err
+
+
+def test_a_restore_records_the_new_parts_sizes_and_hashes(tokenized_dataset, other_machine_tokens, local_weights):
+    """After a restore, tokenizer.json, the unit records and state.json's fingerprint describe the rewritten
+    parts (the load checks pass), and a rerun of the tokenizer on the folder redoes nothing."""
+    import hashlib
+    import json
+
+    original, other = other_machine_tokens
+    state_before = json.loads((other / "state.json").read_text())["_fingerprint"]
+    restore_codes(other, original)
+    info = json.loads((other / "tokenizer.json").read_text())
+    for p in info["parts"]:
+        file = other / p["file"]
+        assert (p["bytes"], p["sha256"]) == (file.stat().st_size, hashlib.sha256(file.read_bytes()).hexdigest())
+        record = json.loads((other / ".tokenize" / "units" / f"u{p['unit']:06d}.json").read_text())
+        assert (record["bytes"], record["sha256"]) == (p["bytes"], p["sha256"])
+    assert json.loads((other / "state.json").read_text())["_fingerprint"] != state_before
+    assert codes_sha256(other) == codes_sha256(tokenized_dataset)
+    from musiclm_stab.tokenizer.pipeline import tokenize
+
+    again = tokenize(tokenized_dataset.parent / "audio", other, weights=str(local_weights), segment_seconds=10.0,
+                     min_seconds=1.0, progress=False, workers=0)
+    assert again.seconds_this_run == 0.0 and codes_sha256(other) == codes_sha256(tokenized_dataset)
+
+
+@pytest.mark.parametrize("dies", ["before", "after"])
+def test_a_restore_stopped_half_way_is_refused_then_finished_by_running_it_again(other_machine_tokens, monkeypatch,
+                                                                                  dies):
+    """A restore killed before or after renaming a rewritten part into place leaves a dataset that is refused
+    with one line saying to run the restore again, which finishes it (the record as an uninterrupted one's)."""
+    import os
+
+    original, other = other_machine_tokens
+    real_replace = os.replace
+
+    def killed(src, dst):
+        if str(src).endswith(".restore"):
+            if dies == "after":
+                real_replace(src, dst)
+            raise KeyboardInterrupt  # as if killed: nothing after this point runs
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        restore_codes(other, original)
+    monkeypatch.setattr(os, "replace", real_replace)
+    with pytest.raises(ValueError, match=f"restore` of {original} stopped half-way; run `musiclm-stab codes restore "
+                                         f"{other} {original}` again"):
+        load_tokenized(other)
+    result = restore_codes(other, original)
+    assert not result["already"] and (result["codes_changed"], result["rows_changed"]) == (3, 2)
+    hf, info = load_tokenized(other)
+    assert "codes_restoring" not in info and info["codes_restored"]["codes_changed"] == 3
+    assert codes_sha256(other) == read_codes(original)["header"]["codes_sha256"]

@@ -18,7 +18,13 @@ from musiclm_stab.data import (
     noise_mixup,
     split_indices,
 )
-from musiclm_stab.data.tokenized import codes_sha256, load_tokenized
+from musiclm_stab.data.tokenized import (
+    DamagedData,
+    UncheckedData,
+    codes_sha256,
+    load_tokenized,
+    sha256_of_codes,
+)
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +198,11 @@ def test_streaming_processes_read_disjoint_examples_covering_the_epoch(tokenized
     assert [len(d) for d in ranks] == [1, 1] and [len(_epoch(d)) for d in ranks] == [1, 1]
 
 
+@pytest.mark.filterwarnings(f"ignore::{UncheckedData.__module__}.{UncheckedData.__name__}")  # no part hashes
 def test_codes_sha256_sees_one_code_and_the_shape(tokenized_dataset, hf, tmp_path):
     """The study's record of its data: the same codes in another folder layout hash the same; one code
-    changed by one, or a row's codes in another shape (the same bytes in the same order), do not."""
+    changed by one, or a row's codes in another shape (the same bytes in the same order), do not (such a
+    row does not load: its shape disagrees with num_frames and the codebook count)."""
 
     info = json.loads((tokenized_dataset / "tokenizer.json").read_text())
     info.pop("parts")  # folders written by save_to_disk are read through their state.json
@@ -214,4 +222,7 @@ def test_codes_sha256_sees_one_code_and_the_shape(tokenized_dataset, hf, tmp_pat
     reshaped = json.loads(json.dumps(table))  # row 0's (K, T) codes as (K / 2, 2 T): the same bytes in order
     rows = np.asarray(reshaped["codes"][0])
     reshaped["codes"][0] = rows.reshape(rows.shape[0] // 2, -1).tolist()
-    assert codes_sha256(saved("reshaped", reshaped)) != reference
+    assert sha256_of_codes(zip(reshaped["track"], reshaped["codes"])) != reference
+    assert sha256_of_codes(zip(table["track"], table["codes"])) == reference
+    with pytest.raises(DamagedData, match="row 0 has codes of 4 codebooks, not 8"):
+        load_tokenized(saved("reshaped", reshaped))

@@ -8,7 +8,9 @@ row's id, track and shape, the tokenizer's identity and the codes' sha256) to an
 any machine, after checking that it holds the same rows (ids, tracks, shapes) and the same tokenizer.
 Only the codes change: the audio (``pcm``) stays the one decoded here. The dataset's tokenizer.json
 records the restore (the file, its sha256, the codes this machine had made, how many codes differed)
-and its per-codebook usage is recomputed.
+and its per-codebook usage is recomputed; the rewritten parts' sizes and sha256 replace the old ones in
+tokenizer.json, the unit records and state.json's fingerprint, so the data checks (data/tokenized.py
+``check_parts``) hold after a restore.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ import pyarrow as pa
 from musiclm_stab.data.tokenized import (
     IDENTITY_KEYS,
     METADATA_FILE,
+    RESTORED_KEY,
+    RESTORING_KEY,
+    STATE_DIR,
     _data_files,
+    check_parts,
     codebook_usage,
     codes_sha256,
+    dataset_fingerprint,
+    file_sha256,
     load_tokenized,
     read_info,
     sha256_of_codes,
@@ -40,17 +48,17 @@ from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.host import machine
 
 FORMAT = 1
-RESTORED_KEY = "codes_restored"
 
 
 class CodesMismatch(ValueError):
     """A codes file does not fit a dataset: other rows, shapes or tokenizer."""
 
 
-def _columns(dataset: Path) -> tuple[dict[str, Any], list[str], list[str], np.ndarray, np.ndarray, str]:
+def _columns(dataset: Path, check: bool = True) -> tuple[dict[str, Any], list[str], list[str], np.ndarray, np.ndarray,
+                                                         str]:
     """(tokenizer info, ids, tracks, shapes [N, 2], codes of every row flattened in order, their
-    ``codes_sha256``) of a dataset, in one read of its codes."""
-    hf, info = load_tokenized(dataset)
+    ``codes_sha256``) of a dataset, in one read of its codes. ``check=False``: its parts are checked already."""
+    hf, info = load_tokenized(dataset, check=check)
     rows = hf.select_columns(["id", "track", "codes"]).with_format("numpy")
     ids, tracks, per_row = [], [], []
     for i in range(0, len(rows), 256):
@@ -144,14 +152,26 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
     and ``already`` (True when the dataset held those codes, and nothing was written).
 
     Refuses (CodesMismatch, nothing written) unless the dataset has the file's rows (ids, tracks, codes
-    shapes, in order) and tokenizer identity (weights sha256, rates, codebooks). Each data file is written
-    under a temporary name and renamed; tokenizer.json gets the ``codes_restored`` record last. A restore
-    stopped half-way is finished by running it again.
+    shapes, in order) and tokenizer identity (weights sha256, rates, codebooks), and (DamagedData) unless
+    its parts are as recorded. The new data files are written beside the old ones; tokenizer.json then
+    records the restore under way (``codes_restoring``: each part's size and sha256 before and after, so
+    that the dataset is refused until it is finished), the files are renamed into place, and the unit
+    records, state.json and tokenizer.json get the new sizes and hashes, tokenizer.json the
+    ``codes_restored`` record last. A restore stopped at any point is finished by running it again.
     """
     dataset, path = Path(dataset), Path(path)
     saved = read_codes(path)
     want = saved["header"]["codes_sha256"]
-    info, ids, tracks, shapes, values, before = _columns(dataset)
+    info = read_info(dataset)
+    files = _data_files(dataset, info)
+    pending = info.get(RESTORING_KEY)
+    entries = [dict(e) for e in info.get("parts") or [{} for _ in files]]
+    if pending:  # a restore stopped half-way: each part is as it was before it, or as it wrote it
+        for e in entries:
+            sides = pending["parts"].get(e["file"], {})
+            e.update({k: [sides.get("before", {}).get(k), sides.get("after", {}).get(k)] for k in ("bytes", "sha256")})
+    check_parts(dataset, [(f, e) for (_, f), e in zip(files, entries)], info)
+    info, ids, tracks, shapes, values, before = _columns(dataset, check=False)
     _check_fits(dataset, path, saved, info, ids, tracks, shapes)
     changed = values != saved["codes"]
     row_ends = np.cumsum(np.prod(shapes, axis=1))
@@ -167,11 +187,18 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
             counts[level] += np.bincount(codes[level], minlength=counts.shape[1])
     result = {"codes_sha256": want, "rows_changed": rows_changed, "codes_changed": int(changed.sum()),
               "codes_changed_per_codebook": per_level.tolist(), "num_codes": int(values.size),
-              "already": before == want}
-    if before == want:
+              "already": before == want and not pending}
+    if result["already"]:
         return result
-    row, folders = 0, set()
-    for _, file in _data_files(dataset, info):
+    made_here = before
+    if pending:  # this machine's codes and how the file's differ from them: as the stopped restore found them
+        made_here = pending.get("made_here", before)
+        if pending.get("result", {}).get("codes_sha256") == want:
+            result = {**pending["result"], "already": False}
+    meta = read_info(dataset)
+    # 1. the new data files, beside the old ones
+    row, written = 0, []
+    for _, file in files:
         with pa.memory_map(str(file)) as source:
             table = pa.ipc.open_stream(source).read_all()
         n = table.num_rows
@@ -184,26 +211,58 @@ def restore_codes(dataset: str | Path, path: str | Path) -> dict[str, Any]:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         fsync_file(tmp)
-        os.replace(tmp, file)
+        written.append((file, tmp, {"bytes": tmp.stat().st_size, "sha256": file_sha256(tmp)}))
         row += n
-        folders.add(file.parent)
-    for folder in folders:
+    # 2. the restore under way: until it ends, the dataset is refused, and a rerun accepts either version
+    if "parts" in meta:
+        old = {e["file"]: e for e in meta["parts"]}
+        sides = {}
+        for file, _, new in written:
+            name = file.relative_to(dataset).as_posix()
+            earlier = (pending or {}).get("parts", {}).get(name, {}).get("before")
+            sides[name] = {"before": earlier or {k: old[name].get(k) for k in ("bytes", "sha256")}, "after": new}
+        meta[RESTORING_KEY] = {"file": str(path), "made_here": made_here, "parts": sides,
+                               "result": {k: v for k, v in result.items() if k != "already"}}
+        _write_json(dataset / METADATA_FILE, meta)
+    # 3. the new files in place
+    for file, tmp, _ in written:
+        os.replace(tmp, file)
+    for folder in {file.parent for file, _, _ in written}:
         fsync_dir(folder)
-    after = codes_sha256(dataset)  # read back from the files written
+    # 4. their sizes and hashes recorded: unit records, state.json's fingerprint, tokenizer.json
+    digests = {file.relative_to(dataset).as_posix(): new for file, _, new in written}
+    if "parts" in meta:
+        for p in meta["parts"]:
+            p.update(digests[p["file"]])
+            record_file = dataset / STATE_DIR / "units" / f"u{p['unit']:06d}.json"
+            if record_file.is_file():
+                _write_json(record_file, {**json.loads(record_file.read_text()), **digests[p["file"]]}, indent=None)
+        state_file = dataset / "state.json"
+        if state_file.is_file():
+            state = json.loads(state_file.read_text())
+            state["_fingerprint"] = dataset_fingerprint(meta.get("job_sha256"), meta["parts"])
+            _write_json(state_file, state)
+        meta.pop(RESTORING_KEY, None)
+        _write_json(dataset / METADATA_FILE, meta)
+    after = codes_sha256(dataset)  # read back from the files written (and checked against their hashes)
     if after != want:
         raise RuntimeError(f"{dataset}: codes sha256 {after} after restoring {path}, which records {want}")
-    meta = read_info(dataset)
-    meta[RESTORED_KEY] = {"file": str(path), "codes_sha256_made_here": before,
+    meta[RESTORED_KEY] = {"file": str(path), "codes_sha256_made_here": made_here,
                           **{k: v for k, v in result.items() if k != "already"},
                           "saved_on": saved["header"].get("saved_on"),
                           "restored_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     meta["codebook_usage"] = codebook_usage(counts)
-    tmp = dataset / (METADATA_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    fsync_file(tmp)
-    os.replace(tmp, dataset / METADATA_FILE)
-    fsync_dir(dataset)
+    _write_json(dataset / METADATA_FILE, meta)
     return result
+
+
+def _write_json(path: Path, data: Any, indent: int | None = 2) -> None:
+    """Write a JSON file whole or not at all: a temporary file, fsynced, renamed, the folder fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def describe(result: dict[str, Any]) -> str:

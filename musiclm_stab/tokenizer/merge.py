@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from musiclm_stab.data.tokenized import STATE_DIR, device_of, job_units, read_info, warn_mixed_devices
+from musiclm_stab.data.tokenized import (
+    STATE_DIR,
+    check_parts,
+    device_of,
+    inside,
+    job_units,
+    read_info,
+    warn_mixed_devices,
+)
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.tokenizer.lock import output_lock
 from musiclm_stab.tokenizer.store import (
@@ -31,6 +39,10 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
     Restartable: a merge killed at any point is finished by running it again (units already copied
     are checked and kept); ``out`` is locked while merging. Shards tokenized on different device types
     merge with a DeviceMixWarning (recorded as ``device: "mixed"``). Returns its tokenizer.json contents.
+
+    Shards come from other machines, so they are checked before anything is written: each unit record
+    names its own part file, inside the shard (UnsafePath), which is the one recorded (size, sha256, codes
+    in range: DamagedData naming it).
     """
     dirs = [OutputDir(p) for p in shard_dirs]
     infos = []
@@ -59,16 +71,28 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
         ends = {json.dumps(j.get("stream_end"), sort_keys=True) for j in jobs}
         if len(ends) != 1:
             raise OutputMismatch("the shards saw streams of different lengths: " + ", ".join(sorted(ends)))
+    records = {}  # (shard index, unit) -> its record, every one checked before anything is written
+    for i, (d, job, info) in enumerate(zip(dirs, jobs, infos)):
+        for k in job_units(job):
+            record = d.record(k)  # UnsafePath unless it names its own part file
+            if record is None:
+                raise ValueError(f"{d.out} is finished but has no record of its unit {k} "
+                                 f"({d.units_dir / f'u{k:06d}.json'}); tokenize that shard again")
+            records[i, k] = record
+        parts = [(inside(d.out, r["file"], d.units_dir / f"u{k:06d}.json"),
+                  {"bytes": r.get("bytes"), "sha256": r.get("sha256"), "rows": r["num_rows"]})
+                 for (j, k), r in records.items() if j == i and r["file"]]
+        check_parts(d.out, parts, info, where="its unit record")
     check_output_folder(out)
     with output_lock(out):
         target = OutputDir.prepare(out, merged, overwrite=False)
         todo = []
-        for d, job in zip(dirs, jobs):
+        for i, (d, job) in enumerate(zip(dirs, jobs)):
             for k in job_units(job):
-                record, there = d.record(k), target.record(k)
+                record, there = records[i, k], target.record(k)
                 if there is None:
                     todo.append((d, record))
-                elif there != record or (record["file"] and not (target.out / record["file"]).is_file()):
+                elif not _same_unit(there, record) or (record["file"] and not (target.out / record["file"]).is_file()):
                     # checked before anything is written: a folder holding other data is left untouched
                     raise FileExistsError(f"{target.out} already holds unit {k}, not the one in {d.out}; "
                                           "merge into a new folder")
@@ -92,3 +116,11 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
         meta.update(shard=None, job_sha256=job_sha256(merged), merged_from=[str(d.out) for d in dirs],
                     device=device)
         return target.finalize(job_units(merged), meta)
+
+
+def _same_unit(there: dict, record: dict) -> bool:
+    """Whether the merged output's record of a unit (``there``) is a copy of the shard's: the same, but for
+    the part's size and sha256, which commit adds when a shard (of an older version) has none."""
+    def rest(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k not in ("bytes", "sha256")}
+    return rest(there) == rest(record) and record.get("sha256") in (None, there.get("sha256"))

@@ -6,17 +6,22 @@
       failures.jsonl                  one row per input not tokenized: track, path, kind, reason
       warnings.jsonl                  one row per warning about an input that was tokenized: track, path,
                                       kind, reason (audio.WARNING_KINDS: odd but usable audio)
-      .tokenize.lock                  held (flock) by the process writing the folder: one writer at a time
+      .tokenize.lock                  held (a POSIX record lock, fcntl.lockf: lock.py) by the process writing
+                                      the folder: one writer at a time
       state.json, dataset_info.json   an HF dataset (``datasets.load_from_disk(OUT)`` works) whose data
       parts/u000000.arrow ...         files are the committed units' rows, in unit order (no copy at the end)
       .tokenize/job.json              what this output is: weights, settings, source, plan, shard
-      .tokenize/units/u000000.json    a unit's commit record (rows, failures), written after its part file
+      .tokenize/units/u000000.json    a unit's commit record (rows, failures, the part's size and sha256),
+                                      written after its part file
 
 A unit's part file is written under a temporary name and renamed; its record is written the same way
 afterwards, and only a record makes a unit done. A run killed at any moment leaves whole units and
 at most some debris (temporary files, a part without a record), which the next run overwrites or
 deletes. Unit contents depend only on the unit's tracks and the settings, so a resumed run writes the
 same rows as an uninterrupted one.
+A part's size and sha256 are taken when its unit is committed and go into tokenizer.json's ``parts``,
+which the read side checks (data/tokenized.py ``check_parts``); a rerun first forgets the units whose
+part no longer matches (``reopen_damaged``), so it redoes them.
 The format and how to read it are in musiclm_stab/data/tokenized.py (the read side: training
 imports that, never this package); the lock in lock.py, merging shards in merge.py.
 
@@ -34,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -51,7 +57,12 @@ from musiclm_stab.data.tokenized import (
     PARTS_DIR,
     STATE_DIR,
     WARNINGS_FILE,
+    DamagedData,
+    UnsafePath,
     codebook_usage,
+    damaged_parts,
+    dataset_fingerprint,
+    part_digest,
     unit_groups,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
@@ -232,16 +243,36 @@ class OutputDir:
         return self.parts_dir / f".u{k:06d}.{os.getpid()}.tmp"
 
     def record(self, k: int) -> dict | None:
+        """Unit ``k``'s commit record (None: not done). A record names unit ``k`` and no part file but its own
+        (``part_file(k)``), else UnsafePath: records of a shard from elsewhere are not trusted, and merging or
+        finishing writes and deletes by the names in them."""
         path = self.units_dir / f"u{k:06d}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        own = self.part_file(k).relative_to(self.out).as_posix()
+        if record.get("unit") != k or record.get("file") not in (None, own):
+            raise UnsafePath(f"{path} names unit {record.get('unit')!r} and file {record.get('file')!r}, not unit {k} "
+                             f"and its part file {own!r}; refused: a unit record names only its own part file (a "
+                             "shard from elsewhere is not trusted)")
+        return record
 
     def done_units(self) -> set[int]:
         return {int(p.stem[1:]) for p in self.units_dir.glob("u*.json")}
 
     def commit(self, record: dict) -> None:
-        """Mark a unit done; its part file (if it has rows) must already be in place."""
+        """Mark a unit done; its part file (if it has rows) must already be in place. The record gets the
+        part's size and sha256; a record that has them already (a shard's, merging) must match the file
+        (DamagedData)."""
         if record["file"]:
-            assert (self.out / record["file"]).is_file(), record
+            file = self.out / record["file"]
+            assert file.is_file(), record
+            digest = part_digest(file)
+            if record.get("sha256") is not None and (record["sha256"], record.get("bytes")) != \
+                    (digest["sha256"], digest["bytes"]):
+                raise DamagedData(f"{file}: {digest['bytes']} bytes of sha256 {digest['sha256']}, its unit record "
+                                  f"says {record.get('bytes')} bytes of sha256 {record['sha256']}")
+            record = {**record, **digest}
         atomic_write(self.units_dir / f"u{record['unit']:06d}.json", json.dumps(record) + "\n")
 
     def reopen_failed(self) -> int:
@@ -266,6 +297,27 @@ class OutputDir:
             for k in sorted(failed):
                 (self.units_dir / f"u{k:06d}.json").unlink()
         return len(failed)
+
+    def reopen_damaged(self) -> list[str]:
+        """Forget the done units whose part file is missing or no longer the one committed (size, sha256 of
+        its record; arrow structure and codes: data/tokenized.py ``check_parts``), so that this run redoes
+        them; returns their part files. Warns naming them. The completion marker goes first.
+
+        Cheap when nothing changed: a part checked before and unchanged since is not read again.
+        """
+        info = self.job().get("tokenizer") or {}
+        records = {k: self.record(k) for k in sorted(self.done_units())}
+        parts = [(self.out / r["file"], {"bytes": r.get("bytes"), "sha256": r.get("sha256"), "rows": r["num_rows"]})
+                 for r in records.values() if r["file"]]
+        units = {self.out / r["file"]: k for k, r in records.items() if r["file"]}
+        damaged = damaged_parts(self.out, parts, info, where="its unit record")
+        if damaged:
+            warnings.warn(f"{self.out}: redoing {len(damaged)} work unit(s) whose part file is damaged: "
+                          + "; ".join(f"{file.relative_to(self.out)}: {why}" for file, why in damaged), stacklevel=2)
+            (self.out / METADATA_FILE).unlink(missing_ok=True)
+            for file, _ in damaged:
+                (self.units_dir / f"u{units[file]:06d}.json").unlink()
+        return [str(file.relative_to(self.out)) for file, _ in damaged]
 
     # -- finishing ----------------------------------------------------------------------------------
 
@@ -310,7 +362,8 @@ class OutputDir:
             usage = codebook_usage(np.sum(np.asarray(counts, dtype=np.int64), axis=0))
         return {
             "records": records,
-            "parts": [{"unit": r["unit"], "file": r["file"], "rows": r["num_rows"]} for r in used if r["file"]],
+            "parts": [{"unit": r["unit"], "file": r["file"], "rows": r["num_rows"], "bytes": r.get("bytes"),
+                       "sha256": r.get("sha256")} for r in used if r["file"]],
             "failures": failures,
             "warnings": warns,
             "num_rows": sum(r["num_rows"] for r in used),
@@ -330,6 +383,9 @@ class OutputDir:
         still written)."""
         c = self.summary_counts(units)
         parts = c["parts"]
+        for p in parts:  # a unit committed by a version before part hashes (a resumed run): hashed now
+            if p["sha256"] is None:
+                p.update(part_digest(self.out / p["file"]))
         atomic_write(self.out / FAILURES_FILE, "".join(json.dumps(f) + "\n" for f in c["failures"]))
         atomic_write(self.out / WARNINGS_FILE, "".join(json.dumps(w) + "\n" for w in c["warnings"]))
         if not parts and not meta.get("shard"):
@@ -339,8 +395,8 @@ class OutputDir:
         if parts:  # a shard may finish with no rows (fewer units than shards, or all its inputs failed)
             datasets.DatasetInfo(features=FEATURES).write_to_directory(str(self.out))
             fsync_file(self.out / "dataset_info.json")  # its directory entry: with tokenizer.json's, below
-            fingerprint = hashlib.sha256(json.dumps([meta.get("job_sha256"), parts]).encode()).hexdigest()[:16]
-            state = {"_data_files": [{"filename": p["file"]} for p in parts], "_fingerprint": fingerprint,
+            state = {"_data_files": [{"filename": p["file"]} for p in parts],
+                     "_fingerprint": dataset_fingerprint(meta.get("job_sha256"), parts),
                      "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
                      "_output_all_columns": False, "_split": None}
             atomic_write(self.out / "state.json", json.dumps(state, indent=2) + "\n")
