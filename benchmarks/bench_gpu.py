@@ -366,14 +366,12 @@ def run_case(size: str, case: Case, args, device: torch.device, cache: dict) -> 
     return row, step
 
 
-def plan(args) -> list[tuple[str, Case]]:
-    runs = [(size, case) for size in args.sizes for case in args.cases]
-    for item in args.extra:
-        size, _, case = item.partition(":")
-        if size not in DEFAULT_BATCH:
-            raise SystemExit(f"error: --extra {item!r}: SIZE:CASE with SIZE one of {', '.join(DEFAULT_BATCH)}")
-        runs.append((size, Case.parse(case)))
-    return runs
+def size_case(text: str) -> tuple[str, Case]:
+    """``SIZE:CASE`` (an --extra row) -> (size, Case)."""
+    size, _, case = text.partition(":")
+    if size not in DEFAULT_BATCH:
+        raise argparse.ArgumentTypeError(f"{text!r}: SIZE:CASE with SIZE one of {', '.join(DEFAULT_BATCH)}")
+    return size, Case.parse(case)
 
 
 def main() -> None:
@@ -382,7 +380,8 @@ def main() -> None:
     p.add_argument("--sizes", nargs="*", default=["base", "large"], choices=list(DEFAULT_BATCH))
     p.add_argument("--cases", nargs="*", type=Case.parse,
                    default=[Case.parse(c) for c in ("fairseq-math", "fairseq-relax", "bf16-sdpa")])
-    p.add_argument("--extra", nargs="*", default=[], metavar="SIZE:CASE", help="further rows after sizes x cases")
+    p.add_argument("--extra", nargs="*", type=size_case, default=[], metavar="SIZE:CASE",
+                   help="further rows after sizes x cases")
     p.add_argument("--batch", type=int, default=None, help="crops per step (default: base 64, large 32, tiny 2)")
     p.add_argument("--seconds", type=float, default=5.12, help="crop length (the study's 5.12 s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -400,7 +399,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device: run on a GPU machine, or pass --device cpu for a smoke test")
-    runs = plan(args)
+    runs = [(size, case) for size in args.sizes for case in args.cases] + args.extra
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device={name} torch={torch.__version__} crop={args.seconds} s, {args.steps} timed steps after "
           f"{args.warmup} warm-up; MFU = analytic model FLOPs / s / {args.peak_tflops:g} TFLOP/s", flush=True)
