@@ -112,6 +112,45 @@ def test_diagnostics_logged_per_layer(tokenized_dataset, tmp_path):
         assert r[1][f"diag/max_attn_logit/layer{i}"] > 0 and r[1][f"diag/grad_norm/layer{i}"] > 0
 
 
+def test_diagnostics_locate_a_failure_frontend_rms_and_fp16_headroom(tokenized_dataset, tmp_path):
+    """Diagnostic steps also log the frontend output's RMS (the dead-input detector: with one micro-batch per
+    step it is sqrt of the step's features penalty) and the fp16 headroom, max |x| / 65504, of the frontend's
+    convolutions, each layer's residual stream and FFN intermediate, the heads and the largest (scaled)
+    gradient; in fairseq fp16 the gradients carry loss scale x masked frames, far above their fp32 values."""
+    run_dir = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "--train.max_steps=2", "--train.diagnostics_every=1",
+                               "--train.log_every=1", "--train.mixed_precision=fp16")).run()
+    for row in rows(run_dir):
+        pen = row["features_pen"] * math.log(2.0)  # logged in bits: pen / ln 2
+        assert row["diag/frontend_rms"] == pytest.approx(math.sqrt(pen), rel=1e-4)
+        names = ["frontend", "heads", "grad"] + [f"{part}/layer{i}" for part in ("residual", "ffn") for i in range(2)]
+        for name in names:
+            assert 0 < row[f"diag/headroom/{name}"] < 1, name
+        assert row["diag/headroom/grad"] * 65504 > 1.0  # scaled by 128 x ~165 masked frames
+
+
+def test_headroom_sees_a_residual_stream_past_fp16s_range():
+    """A residual stream pushed past 65504 reads as headroom >= 1 in that layer (inf under the fairseq
+    emulation, where it overflowed), while the recording itself changes no value of the model."""
+    from musiclm_stab.config import ModelConfig
+    from musiclm_stab.model import MusicMLM
+    from musiclm_stab.model.fp16_arith import Fp16Emulation, round_parameters_
+    from musiclm_stab.training.stability import record_activations
+
+    torch.manual_seed(0)
+    model = MusicMLM(ModelConfig(size="tiny", cqt_bins=84, cqt_bins_per_octave=12)).eval()
+    with torch.no_grad():
+        model.encoder.layers[1].ffn.fc2.bias.fill_(7e4)
+    round_parameters_(model)
+    wav = torch.randn(1, 320 * 20) * 0.1
+    with torch.no_grad(), Fp16Emulation("fairseq"):
+        plain = model.encode(wav)[0]
+        with record_activations(model) as seen:
+            recorded = model.encode(wav)[0]
+    torch.testing.assert_close(recorded, plain, rtol=0, atol=0, equal_nan=True)
+    assert seen["headroom/residual/layer0"] < 1 <= seen["headroom/residual/layer1"]
+    assert seen["frontend_rms"] > 0
+
+
 def test_zclip_threshold_follows_norm_statistics():
     """ZClip: after warmup the threshold is EMA mean + z * EMA std of past norms; non-finite norms ignored."""
     c = GradClipper(OptimConfig(clip_mode="zclip", clip_grad=5.0, clip_warmup=3, zclip_z=2.0, zclip_alpha=0.5))

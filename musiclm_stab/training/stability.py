@@ -6,14 +6,19 @@ or an fp16 loss-scale overflow never moves a clipping threshold or a spike basel
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from musiclm_stab.config import OptimConfig, TrainConfig
 from musiclm_stab.model.attention import SelfAttention
+from musiclm_stab.model.fp16_arith import no_rounding
+
+FP16_MAX = 65504.0  # the largest finite fp16 value: headroom is max |x| / FP16_MAX (>= 1: an overflow)
 
 
 class GradClipper:
@@ -130,3 +135,73 @@ def layer_diagnostics(model: nn.Module, grad_scale: float = 1.0) -> dict[str, to
             if grads:
                 out[f"diag/grad_norm/layer{i}"] = torch.stack(grads).norm() / grad_scale
     return out
+
+
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), no_rounding():  # a measurement, not a value of the fp16 model
+        return t.detach().abs().amax().float()
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), no_rounding():
+        return t.detach().double().pow(2).mean().sqrt().float()
+
+
+@contextlib.contextmanager
+def record_activations(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """While inside, record what locates a failure, in the dict it yields (device tensors; over several
+    forward passes inside, the largest), named as the ``diag/`` metrics without the prefix:
+
+    - ``frontend_rms``: the RMS of the conv frontend's output, what the transformer is fed (before the
+      feature LayerNorm): near 0 the input is dead (the features penalty has shrunk the frontend to
+      nothing) and the model can only predict the codes' marginal;
+    - ``headroom/...``: the largest |value| of each place an fp16 model can overflow, as a fraction of
+      fp16's largest value (>= 1 is an overflow, inf one that happened): ``frontend`` (the convolution
+      outputs, the first before its GroupNorm, all layers), ``residual/layer{i}`` (the residual stream
+      after encoder layer i), ``ffn/layer{i}`` (the feed-forward intermediate, fc1's output), ``heads``
+      (the prediction heads' fp16 outputs: acoustic projection, musical prediction).
+
+    The attention logits have their own probe (``record_attention_logits``); the largest gradient is
+    ``grad_headroom`` after backward. Hooks only: the model computes exactly as without them."""
+    inner = getattr(model, "module", model)  # under DDP
+    out: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def keep(name: str, m: torch.Tensor) -> None:
+        out[name] = torch.maximum(out[name], m) if name in out else m
+
+    def on_input(name):
+        return lambda module, args: keep(name, _max_abs(args[0]) / FP16_MAX)
+
+    def on_output(name):
+        return lambda module, args, result: keep(name, _max_abs(result) / FP16_MAX)
+
+    frontend = getattr(inner, "frontend", None)
+    if frontend is not None:
+        hooks.append(frontend.register_forward_hook(lambda module, args, result: keep("frontend_rms", _rms(result))))
+        for block in frontend.convs:
+            # the module after the convolution reads its output (GroupNorm for the first layer, else GELU);
+            # both implementations of the frontend (conv, gemm) call it
+            hooks.append(block[1].register_forward_pre_hook(on_input("headroom/frontend")))
+    encoder = getattr(inner, "encoder", None)
+    if encoder is not None:
+        for i, layer in enumerate(encoder.layers):
+            hooks.append(layer.register_forward_hook(on_output(f"headroom/residual/layer{i}")))
+            hooks.append(layer.ffn.fc1.register_forward_hook(on_output(f"headroom/ffn/layer{i}")))
+    for head in ("acoustic", "musical"):
+        proj = getattr(getattr(inner, head, None), "proj", None)
+        if proj is not None:
+            hooks.append(proj.register_forward_hook(on_output("headroom/heads")))
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def grad_headroom(model: nn.Module) -> torch.Tensor | None:
+    """The largest |gradient| held by the model's parameters after backward, as a fraction of fp16's
+    largest value: in fairseq fp16 the model's own (scaled) fp16 gradients, so >= 1 (or inf) is the
+    overflow that skips the update. None when no parameter has a gradient."""
+    grads = [_max_abs(p.grad) for p in model.parameters() if p.grad is not None]
+    return torch.stack(grads).amax() / FP16_MAX if grads else None

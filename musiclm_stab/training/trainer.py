@@ -49,7 +49,9 @@ from musiclm_stab.training.run_dir import (
 from musiclm_stab.training.stability import (
     GradClipper,
     SpikeGuard,
+    grad_headroom,
     layer_diagnostics,
+    record_activations,
     record_attention_logits,
 )
 from musiclm_stab.training.stop import StopSignal
@@ -172,13 +174,15 @@ class Trainer:
         step = self.step + 1
         diagnose = tcfg.diagnostics_every and step % tcfg.diagnostics_every == 0
         sums: dict[str, torch.Tensor] = {}
+        activations: dict[str, torch.Tensor] = {}
         for i in range(tcfg.grad_accum):
             batch = next(self.stream)
             self.consumed += 1
             last = i == tcfg.grad_accum - 1
             if diagnose and last:
                 record_attention_logits(self.model, True)
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+            recording = record_activations(self.model) if diagnose and last else contextlib.nullcontext(activations)
+            with contextlib.nullcontext() if last else acc.no_sync(self.model), recording as activations:
                 w, frames = self.masked_weight(batch["mask"])
                 if i == 0:
                     self.precision.begin_update(frames)
@@ -195,6 +199,10 @@ class Trainer:
         if diagnose:
             diag = layer_diagnostics(self.model, grad_scale=self.precision.grad_scale())
             record_attention_logits(self.model, False)
+            diag.update({f"diag/{name}": value for name, value in activations.items()})
+            largest_grad = grad_headroom(self.model)  # the model's own gradients: fp16 and scaled in fairseq fp16
+            if largest_grad is not None:
+                diag["diag/headroom/grad"] = largest_grad
         self.perturb_grads(step)
         return sums, diag
 
