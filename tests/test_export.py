@@ -221,7 +221,7 @@ def _card_run(root: Path, evaluated: bool) -> Path:
     save_config(cfg.validate(), run / "config.yaml")
     (run / "tokenizer.json").write_text(json.dumps({
         "model": "encodec_24khz", "weights": "local", "weights_sha256": "ab" * 32, "num_codebooks": 8,
-        "codebook_size": 1024, "frame_rate": 75, "weights_note": "weights fitted on the chorales",
+        "codebook_size": 1024, "frame_rate": 75, "weights_note": "weights fitted on the chorales (<urlopen> | offline)",
         "source": "work/bach", "source_kind": "folder", "num_tracks": 24, "total_seconds": 1320.0}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.9, "eval/acoustic_mlm_loss/cb0": 9.75}) + "\n")
     if evaluated:
@@ -240,10 +240,12 @@ def test_export_writes_a_model_card_from_the_runs_record(tmp_path):
     card = (tmp_path / "hf" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")
     for fact in ("card-run", "2-layer transformer (128 wide, 4 heads, norm scheme `pre`", "1 of 7",
-                 "`work/bach_tokens`", "`work/bach`", "24 tracks, 0.37 h of audio", "weights fitted on the chorales",
+                 "`work/bach_tokens`", "`work/bach`", "24 tracks, 0.37 h of audio", "weights fitted on the chorales (&lt;urlopen> \\| offline) |",
                  "**9.512 bits** at step 1", "12 segments", "HubertModel.from_pretrained", "pad_for_export",
                  "AdamW, peak lr", "| precision | fp32 |"):
         assert fact in card, fact
+    targets = next(line for line in card.splitlines() if line.startswith("| targets |"))
+    assert targets.replace("\\|", "").count("|") == 3  # the note's own bar does not add a column
     code = card.split("```python\n")[1].split("```")[0].replace("path/to/this/folder", str(tmp_path / "hf"))
     scope = {"wav": torch.zeros(1, 24_000)}
     exec(code, scope)

@@ -21,6 +21,11 @@ from musiclm_stab.export.exported import PAD_SAMPLES
 CB0 = "eval/acoustic_mlm_loss/cb0"
 
 
+def _cell(text: Any) -> str:
+    """Recorded text made safe inside a markdown table cell: no column break, no HTML tag."""
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
 def held_out_cb0(run_dir: Path, step: int | None, unit: str) -> str:
     """The held-out codebook-0 loss of ``step`` as the run recorded it, in words; or how to get it."""
     if step is not None:
@@ -47,19 +52,20 @@ def held_out_cb0(run_dir: Path, step: int | None, unit: str) -> str:
 
 def _data(cfg: Config, tokenizer: dict[str, Any] | None) -> list[str]:
     paths = cfg.data.path if isinstance(cfg.data.path, list) else [cfg.data.path]
-    rows = [f"| data | {', '.join(f'`{p}`' for p in paths)} (held-out fraction {cfg.data.eval_fraction:g}, by track) |"]
+    rows = [f"| data | {', '.join(f'`{_cell(p)}`' for p in paths)} (held-out fraction {cfg.data.eval_fraction:g}, "
+            "by track) |"]
     if not tokenizer:
         return [*rows, "| tokenizer | not recorded in the run directory |"]
     hours = tokenizer.get("total_seconds")
     size = (f"{tokenizer.get('num_tracks')} tracks, {hours / 3600:.2f} h of audio" if isinstance(hours, (int, float))
             else "size not recorded")
-    rows.append(f"| source | `{tokenizer.get('source')}` ({tokenizer.get('source_kind', 'source')}; {size}) |")
+    rows.append(f"| source | `{_cell(tokenizer.get('source'))}` ({tokenizer.get('source_kind', 'source')}; {size}) |")
     weights = tokenizer.get("weights")
     note = tokenizer.get("weights_note")
     rows.append(f"| targets | EnCodec codes (`{tokenizer.get('model')}`), {tokenizer.get('num_codebooks')} codebooks of "
                 f"{tokenizer.get('codebook_size', CODEBOOK_SIZE)} at {tokenizer.get('frame_rate', FRAME_RATE)} Hz; "
                 f"weights {weights} (sha256 `{str(tokenizer.get('weights_sha256'))[:16]}…`)"
-                + (f": {note}" if note else "") + " |")
+                + (f": {_cell(note)}" if note else "") + " |")
     return rows
 
 
@@ -106,7 +112,7 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
         "",
         "| | |",
         "|---|---|",
-        f"| run | `{t.name}` (`{run_dir}`) |",
+        f"| run | `{_cell(t.name)}` (`{_cell(run_dir)}`) |",
         f"| steps | {step if step is not None else 'unknown'} of {t.max_steps} (optimizer updates) |",
         *_data(cfg, tokenizer),
         f"| batches | {d.batch_size} crops of {d.crop_seconds:g} s per process and micro-batch, {accum} per update |",
