@@ -93,8 +93,8 @@ def _overrides(settings: Settings) -> list[str]:
     return [str(s) for s in settings]
 
 
-def make_config(recipe: Recipes = "tiny", settings: Settings = None, *, data: PathLike | Sequence[PathLike] | None = None
-           ) -> Config:
+def make_config(recipe: Recipes = "tiny", settings: Settings = None, *,
+                data: PathLike | Sequence[PathLike] | None = None) -> Config:
     """The resolved run configuration: ``recipe`` (one, or several layered in order: a recipe then
     overlays), then ``data`` (data.path), then ``settings``; validated (ConfigError names a bad setting)."""
     from musiclm_stab.config import load_config
