@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 
 NORM_SCHEMES = ("pre", "post", "deepnorm", "sandwich", "subln")
 ATTENTION_FORMS = ("sdpa", "math", "relax")
@@ -46,6 +49,10 @@ CLIP_MODES = ("fixed", "zclip", "autoclip")
 TRACKERS = ("all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 # List settings that may be empty (every other list setting must name at least one thing).
 EMPTY_LIST_OK = ("train.trackers",)
+
+# fp16's loss scale starts here at most: fp16 holds at most 65504, so a larger scale only overflows (~1000
+# halvings, one skipped update each, from 1e308); fairseq starts at 2**7, torch amp at 2**16.
+MAX_FP16_INIT_SCALE = 2**24
 
 # Per-size defaults, one row per size (section -> setting -> value); see the module docstring. The MERT
 # config lines are in docs/FIDELITY.md. Settings absent from a row are the same for every size.
@@ -84,15 +91,30 @@ class ConfigError(ValueError):
     """A setting is unknown, of the wrong type, or not one of the valid choices."""
 
 
+# A value as an error message shows it: at most a few elements per level, a few levels deep, long strings
+# and numbers cut, so the message stays a line whatever the value (a YAML alias can make a small file hold
+# a list of billions of elements, and its full repr took 80 s and 3.6 GB).
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 3, 4, 4, 4
+_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 80, 40, 80
+_SHOW_AT_MOST = 160  # characters
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, bounded (see ``_SHOW``): how every value given by the user is quoted in a message."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= _SHOW_AT_MOST else text[:_SHOW_AT_MOST - 3] + "..."
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+        raise ConfigError(f"{name}={_show(value)} is not valid; choose one of: {', '.join(choices)}")
 
 
 def _at_least(name: str, value: float | None, low: float, strict: bool = False) -> None:
     """``value >= low`` (``> low`` when strict); None (the size's value, or off) passes."""
     if value is not None and (value <= low if strict else value < low):
-        raise ConfigError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+        raise ConfigError(f"{name} must be {'>' if strict else '>='} {low}, got {_show(value)}")
 
 
 def _finite(section: str, values: Any) -> None:
@@ -105,7 +127,7 @@ def _finite(section: str, values: Any) -> None:
         value = getattr(values, f.name)
         numbers = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
-            raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
+            raise ConfigError(f"{section}.{f.name} must be a finite number, got {_show(value)}")
 
 
 @dataclass
@@ -146,11 +168,14 @@ class DataConfig:
     def validate(self) -> None:
         paths = self.path if isinstance(self.path, list) else [self.path]
         if not paths or not all(isinstance(p, str) and p for p in paths):
-            raise ConfigError(f"data.path must be a folder or a non-empty list of folders, got {self.path!r}")
+            raise ConfigError(f"data.path must be a folder or a non-empty list of folders, got {_show(self.path)}")
         if self.shuffle_buffer < 0:
             raise ConfigError(f"data.shuffle_buffer must be >= 0 (0 = stream order), got {self.shuffle_buffer}")
         if self.crop_seconds <= 0:
             raise ConfigError(f"data.crop_seconds must be > 0, got {self.crop_seconds}")
+        if round(self.crop_seconds * FRAME_RATE) < 1:  # the crop is a whole number of frames (data/crops.py)
+            raise ConfigError(f"data.crop_seconds must be at least one {HOP_LENGTH}-sample frame (1/{FRAME_RATE} s "
+                              f"= {1 / FRAME_RATE:.4f} s), got {_show(self.crop_seconds)}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.batch_size < 1:
@@ -248,11 +273,51 @@ class ModelConfig:
         if self.attention == "relax" and self.qk_norm:
             # QK-norm bounds the logits itself; stacking PB-relax on it is not a scheme of the study.
             raise ConfigError("model.attention=relax cannot be combined with model.qk_norm=true")
+        _check_cqt(self.cqt_bins, self.cqt_fmin, self.cqt_bins_per_octave)
+
+
+# The longest kernel of the CQT target (its lowest bin's, Q * sample rate / cqt_fmin samples; MERT's 32.7 Hz
+# at 48 bins per octave: 50,800) is computed and held at model build; beyond this it takes minutes and GBs.
+MAX_CQT_KERNEL_SAMPLES = 2**20  # 43.7 s
+
+
+def _check_cqt(bins: int, fmin: float, per_octave: int) -> None:
+    """The CQT target (model/cqt.py, whose formulas these are) can be built: its top bin's band below the
+    Nyquist frequency, its longest kernel within MAX_CQT_KERNEL_SAMPLES. ConfigError with the range otherwise."""
+    r2 = 2.0 ** (2.0 / per_octave)
+    q = (r2 + 1.0) / (r2 - 1.0)  # 1 / cqt.relative_bandwidth
+    edge = 1 + 0.5 * 1.5 / q  # band edge over centre frequency (cqt.HANN_BANDWIDTH = 1.5)
+    nyquist = SAMPLE_RATE / 2
+
+    def fits(n: int) -> bool:
+        octaves = (n - 1) / per_octave
+        return octaves < 1024 and fmin * 2.0 ** octaves * edge <= nyquist  # 2.0 ** 1024 overflows
+
+    if not fits(bins):
+        most = 0
+        if fmin * edge <= nyquist:
+            most = max(0, math.floor(per_octave * math.log2(nyquist / (fmin * edge))) + 1)
+            most += 1 if fits(most + 1) else -1 if most > 0 and not fits(most) else 0  # the float edge, as cqt.py
+        raise ConfigError(f"model.cqt_bins={_show(bins)} reaches above the Nyquist frequency ({nyquist:g} Hz) "
+                          f"from model.cqt_fmin={fmin:g} Hz at model.cqt_bins_per_octave={per_octave}: at most "
+                          f"{most} bins")
+    longest = q * SAMPLE_RATE / fmin
+    if longest > MAX_CQT_KERNEL_SAMPLES:
+        raise ConfigError(f"model.cqt_fmin={fmin:g} Hz at model.cqt_bins_per_octave={per_octave} makes the "
+                          f"CQT's lowest kernel {longest:,.0f} samples; at most {MAX_CQT_KERNEL_SAMPLES:,} "
+                          f"({MAX_CQT_KERNEL_SAMPLES / SAMPLE_RATE:.1f} s): cqt_fmin must be >= "
+                          f"{q * SAMPLE_RATE / MAX_CQT_KERNEL_SAMPLES:.3g} Hz at that resolution, or use fewer "
+                          "bins per octave")
 
 
 @dataclass
 class OptimConfig:
     lr: float = 5e-4
+    # The conv frontend's own peak lr (its parameters in a group of their own, on the same schedule); None:
+    # optim.lr, as in MERT. A study arm that compares the transformer's norm schemes across a wide lr grid
+    # can hold the frontend at a rate where it lives (docs/STUDY.md): under Adam a gradient multiplier such as
+    # model.feature_grad_mult barely changes the frontend's steps, its lr does.
+    frontend_lr: float | None = None
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 0.01
@@ -280,6 +345,8 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.frontend_lr is not None and not self.frontend_lr > 0:
+            raise ConfigError(f"optim.frontend_lr must be > 0 (or null: optim.lr), got {self.frontend_lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas must be in [0, 1), got {list(self.betas)}")
         _at_least("optim.eps", self.eps, 0)
@@ -359,10 +426,17 @@ class TrainConfig:
     max_rollbacks: int = 10
 
     def validate(self) -> None:
+        if self.name in ("", ".", "..") or any(c in self.name for c in "/\\\0"):
+            # "" or "." would make train.output_dir itself the run directory, "a/b" a folder of a folder
+            raise ConfigError(f"train.name must be a folder name (not empty, '.' or '..', without '/'; the folder "
+                              f"that holds it is train.output_dir), got {_show(self.name)}")
         _choice("train.mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("train.fp16_mode", self.fp16_mode, FP16_MODES)
         _choice("train.fp16_impl", self.fp16_impl, FP16_IMPLS)
         _at_least("train.fp16_init_scale", self.fp16_init_scale, 0, strict=True)
+        if self.fp16_init_scale > MAX_FP16_INIT_SCALE:  # a larger one only overflows, halving once per update
+            raise ConfigError(f"train.fp16_init_scale must be <= 2**24 = {MAX_FP16_INIT_SCALE} (fairseq starts at "
+                              f"128, torch amp at 65536), got {_show(self.fp16_init_scale)}")
         if not 0 < self.fp16_min_loss_scale < self.fp16_init_scale:
             raise ConfigError(f"train.fp16_min_loss_scale must be > 0 and below train.fp16_init_scale="
                               f"{self.fp16_init_scale}, got {self.fp16_min_loss_scale}")
@@ -473,33 +547,35 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str):
             value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or (not value and key not in EMPTY_LIST_OK):
-            raise ConfigError(f"{key} must be a non-empty list, got {value!r}")
+            raise ConfigError(f"{key} must be a non-empty list, got {_show(value)}")
         return [_coerce(key, v, args[0]) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {_show(value)}")
         return tuple(_coerce(key, v, a) for v, a in zip(value, args))
     if annotation is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{key} must be true or false, got {_show(value)}")
     if annotation in (int, float):
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {_show(value)}")
+        if not isinstance(value, (int, float, str)):  # checked before str(value) below formats a whole list
+            raise ConfigError(f"{key} must be {annotation.__name__}, got {_show(value)}")
         try:
             number = float(value) if annotation is float else int(str(value), 0)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be {annotation.__name__}, got {value!r}") from None
+            raise ConfigError(f"{key} must be {annotation.__name__}, got {_show(value)}") from None
         return number
     if annotation is str:
         if isinstance(value, bool):  # YAML 1.1 reads a bare `no` / `yes` as a boolean
             return "no" if value is False else "yes"
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
+            raise ConfigError(f"{key} must be a string, got {_show(value)}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {annotation}")
 
@@ -508,14 +584,114 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if len(parts) != 2 or parts[0] not in sections:
-        raise ConfigError(f"unknown setting {dotted!r}; settings are <section>.<key> with section one of: "
+        raise ConfigError(f"unknown setting {_show(dotted)}; settings are <section>.<key> with section one of: "
                           f"{', '.join(sections)}")
     section = getattr(cfg, parts[0])
     hints = typing.get_type_hints(type(section))
     names = [f.name for f in dataclasses.fields(section)]
     if parts[1] not in names:
-        raise ConfigError(f"unknown setting {dotted!r}; valid keys of {parts[0]}: {', '.join(names)}")
+        raise ConfigError(f"unknown setting {_show(dotted)}; valid keys of {parts[0]}: {', '.join(names)}")
     setattr(section, parts[1], _coerce(dotted, value, hints[parts[1]]))
+
+
+# A recipe or a run's config.yaml has a few hundred values; YAML aliases (``*name``) may repeat a part of the
+# file, and a few nested ones a billion times over (a 301-byte "alias bomb"): refused beyond this many values.
+MAX_YAML_VALUES = 10_000
+
+
+class _SettingsLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (plain values only: a ``!!python/...`` tag is refused) that also refuses what a
+    settings file must not hold: a key given twice in one mapping (the YAML spec forbids it; SafeLoader
+    keeps the last silently), and aliases that expand the document beyond ``MAX_YAML_VALUES`` values."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _count_values(node, {}, set())
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: what follows may override it
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.get(key)
+                except TypeError:  # unhashable: SafeLoader's own error says so below
+                    continue
+                if seen is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found duplicate key {_show(key)} (first on line {seen.start_mark.line + 1})",
+                        key_node.start_mark)
+                first[key] = key_node
+        return super().construct_mapping(node, deep)
+
+
+def _count_values(node: yaml.Node, counted: dict[int, int], open_nodes: set[int]) -> int:
+    """Values (nodes) of ``node`` with every alias expanded, each shared node counted once per use but
+    visited once; a YAMLError where that passes ``MAX_YAML_VALUES`` or a node contains itself."""
+    if id(node) in counted:
+        return counted[id(node)]
+    if id(node) in open_nodes:
+        raise yaml.composer.ComposerError(None, None, "found an alias inside the node it names (a recursive "
+                                          "structure)", node.start_mark)
+    open_nodes.add(id(node))
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = []
+    for child in children:
+        total += _count_values(child, counted, open_nodes)
+        if total > MAX_YAML_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"its aliases expand it to more than {MAX_YAML_VALUES:,} values (a settings file has "
+                "a few hundred); write the values out", node.start_mark)
+    open_nodes.discard(id(node))
+    counted[id(node)] = total
+    return total
+
+
+def _yaml_reason(error: yaml.YAMLError) -> str:
+    """A YAML error on one line: where (line and column) and what, without PyYAML's excerpt of the file."""
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = error.problem or error.context or type(error).__name__
+        if error.problem and error.context:
+            what += f" ({error.context})"
+        if "'\\t'" in what:
+            what += "; YAML indents with spaces, not tabs"
+        if "could not determine a constructor for the tag" in what:
+            what += "; a settings file holds plain values only (no tags)"
+        return where + " ".join(what.split())
+    if isinstance(error, yaml.reader.ReaderError):
+        return f"position {error.position}: {' '.join(error.reason.split())} (character #x{ord(error.character):04x})"
+    return " ".join(str(error).split())
+
+
+def read_settings_file(path: str | Path) -> Any:
+    """The YAML document of a recipe or a run's config.yaml, read with ``_SettingsLoader``; ConfigError
+    ``<path>: <reason>`` for a file that is missing, unreadable, not UTF-8 or not valid YAML."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the text
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+                          "cannot be decoded") from None
+    try:
+        return yaml.load(text, Loader=_SettingsLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {_yaml_reason(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: its values are nested too deeply") from None
 
 
 def load_config(path: str | Path | list[str | Path] | tuple | None = None, overrides: list[str] | None = None
@@ -531,18 +707,21 @@ def load_config(path: str | Path | list[str | Path] | tuple | None = None, overr
     for path in map(Path, paths):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_settings_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
         for section, values in raw.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+                raise ConfigError(f"{path}: section {_show(section)} must be a mapping")
             for key, value in values.items():
-                _set(cfg, f"{section}.{key}", value)
+                try:
+                    _set(cfg, f"{section}.{key}", value)
+                except ConfigError as e:  # which of the files holds the bad value
+                    raise ConfigError(f"{path}: {e}") from None
     for item in overrides or []:
         item = item[2:] if item.startswith("--") else item
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            raise ConfigError(f"override {_show(item)} must look like section.key=value")
         key, value = item.split("=", 1)
         _set(cfg, key, value)  # raw text: _coerce converts it by the field's type ("no" stays a string)
     return cfg.validate().resolved()
@@ -560,7 +739,9 @@ def config_from_run(run_dir: str | Path) -> Config:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a run directory: {path.name} is missing")
-    saved = yaml.safe_load(path.read_text()) or {}
+    saved = read_settings_file(path) or {}
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(saved).__name__}")
     missing = [f"{section}.{key}={value}" for section, values in SETTINGS_BEFORE_THEY_EXISTED.items()
                for key, value in values.items()
                if isinstance(saved.get(section), dict) and key not in saved[section]]

@@ -79,6 +79,17 @@ BAD_SETTINGS = [
     ("--data.mixup_gain_db=[0,-10]", "data.mixup_gain_db must be [low, high] with low <= high, got [0.0, -10.0]"),
     ("--train.spike_warmup=60", "train.spike_warmup must be in [0, train.spike_window=50], got 60"),
     ("--train.seed=4294967000", "train.seed + 1000 * train.run must be < 2**32, got 4294967000 + 1000 * 1"),
+    # issue 47: settings that passed validation and then failed at start, or silently misbehaved
+    ("--train.fp16_init_scale=1e308", "train.fp16_init_scale must be <= 2**24 = 16777216 (fairseq starts at 128, "
+                                      "torch amp at 65536), got 1e+308"),
+    ("--train.name=", "train.name must be a folder name (not empty, '.' or '..', without '/'; the folder that "
+                      "holds it is train.output_dir), got ''"),
+    ("--data.crop_seconds=0.0001", "data.crop_seconds must be at least one 320-sample frame (1/75 s = 0.0133 s), "
+                                   "got 0.0001"),
+    ("--model.cqt_bins=100000", "model.cqt_bins=100000 reaches above the Nyquist frequency (12000 Hz) from "
+                                "model.cqt_fmin=32.7 Hz at model.cqt_bins_per_octave=48: at most 409 bins"),
+    ("--model.cqt_fmin=0.1", "model.cqt_fmin=0.1 Hz at model.cqt_bins_per_octave=48 makes the CQT's lowest kernel "
+                             "16,621,002 samples; at most 1,048,576 (43.7 s): cqt_fmin must be >= 1.59 Hz"),
 ]
 
 
@@ -225,6 +236,39 @@ def test_the_fp16_limits_themselves_are_accepted():
         for key, text in given.items():
             expected = None if text == "null" else type(getattr(tcfg, key))(float(text))
             assert getattr(tcfg, key) == expected, key
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "/abs"])
+def test_a_name_that_is_not_a_folder_name_is_refused(name):
+    """train.name must name one folder inside train.output_dir: empty or "." made the output folder itself
+    the run directory, ".." its parent, "a/b" or "/abs" a folder elsewhere."""
+    with pytest.raises(ConfigError, match=re.escape("train.name must be a folder name")):
+        load_config(None, [f"--train.name={name}"])
+
+
+def test_the_new_limits_themselves_are_accepted():
+    """The edges of issue 47's ranges are valid: a scale of 2**24, a one-frame crop, a name with dots, the
+    most CQT bins below Nyquist and the lowest cqt_fmin whose kernel fits."""
+    cfg = load_config(None, ["--train.fp16_init_scale=16777216", f"--data.crop_seconds={1 / 75}",
+                             "--train.name=run.v2", "--model.cqt_bins=409", "--model.cqt_fmin=1.6"])
+    assert (cfg.train.fp16_init_scale, cfg.model.cqt_bins, cfg.train.name) == (2**24, 409, "run.v2")
+
+
+@pytest.mark.parametrize("fmin, per_octave", [(32.7, 48), (32.7, 12), (1.0, 12), (100.0, 7), (5000.0, 3)])
+def test_the_cqt_limit_is_the_cqts_own(fmin, per_octave):
+    """The most bins the config accepts are what model/cqt.py builds: the CQT is made at that count and
+    refuses one more (the config's check restates its formula, so the two cannot drift apart)."""
+    from musiclm_stab.model.cqt import CQT
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--model.cqt_fmin={fmin}", f"--model.cqt_bins_per_octave={per_octave}",
+                           "--model.cqt_bins=100000"])
+    most = int(re.search(r"at most (\d+) bins", str(e.value)).group(1))
+    load_config(None, [f"--model.cqt_fmin={fmin}", f"--model.cqt_bins_per_octave={per_octave}",
+                       f"--model.cqt_bins={most}"])
+    CQT(fmin=fmin, n_bins=most, bins_per_octave=per_octave)
+    with pytest.raises(ValueError, match="above the Nyquist frequency"):
+        CQT(fmin=fmin, n_bins=most + 1, bins_per_octave=per_octave)
 
 
 def test_roundtrip_through_run_dir(tmp_path):

@@ -34,6 +34,8 @@ import errno
 import hashlib
 import json
 import os
+import re
+import resource
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
@@ -276,30 +278,77 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-# torch.save reports a full disk as a RuntimeError of its zip writer, not as OSError.
+# torch.save reports any failed write (a full disk, a file size limit) as a RuntimeError of its zip writer,
+# without the OS error; safetensors as a SafetensorError ending in "(os error N)".
 _TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+# Free space below which a write that failed for an unknown reason is taken for a full disk.
+_NEARLY_FULL = 64 * 2**20
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    """Whether ``error`` is a full disk (or quota): only then is freeing space the advice."""
+def _files_under(where: Path) -> list[Path]:
+    try:
+        return [p for p in Path(where).rglob("*") if p.is_file()]
+    except OSError:
+        return []
+
+
+def _errno_of(error: BaseException, where: Path) -> int | None:
+    """The OS error behind a failed write into ``where``: an OSError's own, the one safetensors names in its
+    message, or for torch's zip writer (which names none) the likely one: EFBIG if a file there has reached
+    this process's file size limit (``ulimit -f``), ENOSPC if the file system is (nearly) full, else None."""
     if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in _TORCH_WRITE_FAILED)
+        return error.errno
+    found = _OS_ERROR_IN_TEXT.search(str(error))
+    if found:
+        return int(found.group(1))
+    if not (isinstance(error, RuntimeError) and any(s in str(error) for s in _TORCH_WRITE_FAILED)):
+        return None
+    sizes = []
+    for f in _files_under(where):
+        try:
+            sizes.append(f.stat().st_size)
+        except OSError:
+            pass
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and sizes and max(sizes) >= limit:
+        return errno.EFBIG
+    folder = Path(where)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    return errno.ENOSPC if free < max(_NEARLY_FULL, max(sizes, default=0)) else None
 
 
-def _agree(accelerator: Accelerator, error: BaseException | None) -> list[tuple[str, bool]]:
-    """Every process's failure of the phase just done, as (``"process i of n: reason"``, whether it is a
-    full disk), known to all of them.
+def _failure(error: BaseException, where: Path) -> tuple[str, bool]:
+    """(the reason a write into ``where`` failed, whether it is a full disk or quota: only then is freeing
+    space the advice). A file too large for the process's limit or the file system says so."""
+    reason, code = _reason(error), _errno_of(error, where)
+    if code is not None and not isinstance(error, OSError) and _OS_ERROR_IN_TEXT.search(str(error)) is None:
+        reason = f"{os.strerror(code)} (inferred: torch names no cause: {reason})"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        reason += (f"; this process may write files of at most {limit:,} bytes (ulimit -f)" if limit !=
+                   resource.RLIM_INFINITY else "; the largest file this file system holds is smaller")
+    return reason, code in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _agree(accelerator: Accelerator, error: BaseException | None, where: Path) -> list[tuple[str, bool]]:
+    """Every process's failure of the phase just done (writing into ``where``), as (``"process i of n:
+    reason"``, whether it is a full disk), known to all of them.
 
     Under several processes this is a collective (it also orders the phases, as a barrier would): a
     process whose write failed must not leave the others waiting at the next barrier until the
     launcher's timeout. One process: no communication."""
     if accelerator.num_processes == 1:
-        return [] if error is None else [(_reason(error), _is_disk_full(error))]
+        return [] if error is None else [_failure(error, where)]
     mine = None
     if error is not None:
-        mine = (f"process {accelerator.process_index} of {accelerator.num_processes}: {_reason(error)}",
-                _is_disk_full(error))
+        reason, full = _failure(error, where)
+        mine = (f"process {accelerator.process_index} of {accelerator.num_processes}: {reason}", full)
     return [r for r in gather_object([mine]) if r is not None]
 
 
@@ -336,8 +385,12 @@ def _fail(accelerator: Accelerator, message: str) -> CheckpointWriteError:
 
 
 # Failures of the machine (disk, memory, device), reported as a CheckpointWriteError; anything else is
-# a bug, re-raised as itself.
+# a bug, re-raised as itself (but for one that names an OS error, as safetensors' SafetensorError does).
 _EXPECTED_ERRORS = (OSError, RuntimeError, MemoryError)
+
+
+def _expected(error: BaseException) -> bool:
+    return isinstance(error, _EXPECTED_ERRORS) or _OS_ERROR_IN_TEXT.search(str(error)) is not None
 
 
 def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, action, *args,
@@ -354,7 +407,7 @@ def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, act
             action(*args)
         except Exception as e:  # any failure: the other processes must learn of it (_agree)
             error = e
-    reasons = _agree(accelerator, error)
+    reasons = _agree(accelerator, error, tmp)
     if not reasons:
         return
     message = ""
@@ -367,7 +420,7 @@ def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, act
             shutil.rmtree(tmp, ignore_errors=True)  # partial files only: nothing here was ever loadable
             message = _write_failure(run_dir, tmp, reasons, doing)
     failure = _fail(accelerator, message)
-    if error is not None and not isinstance(error, _EXPECTED_ERRORS):
+    if error is not None and not _expected(error):
         raise error
     raise failure from error
 

@@ -1,24 +1,188 @@
-"""The run directory: refusing what must not happen to one, writing its config, and its metrics rows."""
+"""The run directory: one trainer at a time in it, refusing what must not happen to one, writing its
+config, and its metrics rows.
+
+One writer per run directory: ``RunLock``, an OS record lock (``fcntl.lockf``) on ``<run>/.train.lock``
+held by the job's main process from before the directory is checked until the run ends, as the tokenizer
+holds its output's (tokenizer/lock.py). A second trainer on the same directory (a requeued job while the
+old one still runs, the same command twice) is refused with the holder's pid and command and exit 2,
+instead of interleaving metrics rows and checkpoint writes. The kernel releases the lock when the holder
+exits, however it dies (kill -9 included), so a ``--resume`` after a crash is never refused; a record lock
+is not inherited by the data loader's forked workers either. Under several processes only the main process
+(rank 0) takes it, since it alone writes the run directory's files (config, metrics, manifests and
+renames; the others write only their part of a checkpoint's ``.tmp-step_N``, which the main process
+publishes), and tells the others whether it got it (``lock_run_dir``, a broadcast), so every process of a
+refused job stops with the same message. A fresh run's config.yaml is created atomically (``os.link`` of
+a complete file, which fails if the name exists), so two fresh launches cannot both claim the directory
+even where locks do not work (some network file systems).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
+import os
+import socket
+import sys
+import threading
+from datetime import datetime, timezone
 from pathlib import Path
 
 from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
+from musiclm_stab.durable import fsync_dir, fsync_file
+
+LOCK_FILE = ".train.lock"
+# Lock files this process holds -> who holds them: record locks do not conflict within a process, and
+# closing any descriptor of a locked file drops the lock, so a second lock is refused from this table.
+_HELD: dict[str, str] = {}
+_GUARD = threading.Lock()
+
+
+class RunBusy(ConfigError):
+    """Another trainer is writing the same run directory."""
+
+
+class MetricsWriteError(RuntimeError):
+    """A metrics row could not be appended (e.g. the disk is full); metrics.jsonl is left as it was."""
+
+
+def _holder_of(fd: int) -> str:
+    """Who holds the lock, as the holder wrote it in the lock file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or not info.get("pid"):
+        return "another process"
+    return (f"process {info['pid']} on {info.get('host', '?')}, started {info.get('started', '?')}: "
+            f"{info.get('command', '?')}")
+
+
+def _os_error(run_dir: Path, error: OSError, doing: str) -> ConfigError:
+    """A run directory that cannot be made or written (train.output_dir under a file, no permission, ...)."""
+    return ConfigError(f"train.output_dir: cannot {doing} {run_dir}: {error.strerror or error}"
+                       + (f" ({error.filename})" if error.filename and str(error.filename) != str(run_dir) else ""))
+
+
+class RunLock:
+    """The exclusive lock of one run directory (module docstring), taken at construction: RunBusy if
+    another process (or another RunLock of this process) holds it, ConfigError if the directory cannot be
+    made. ``release`` (or the process's exit) frees it; the file stays, since deleting it would let a
+    waiting process lock a file that is no longer the lock."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.fd: int | None = None
+        path = self.run_dir / LOCK_FILE
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.key = str(path.resolve())
+        except OSError as e:
+            raise _os_error(self.run_dir, e, "create the run directory") from None
+        with _GUARD:
+            if self.key in _HELD:  # refused before opening the file: closing a descriptor would drop the lock
+                raise RunBusy(f"run directory {self.run_dir} is being trained by {_HELD[self.key]} (this process)")
+            try:
+                fd = os.open(self.key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise _os_error(self.run_dir, e, "create the lock file in") from None
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _holder_of(fd)
+                os.close(fd)  # this process holds no lock on the file: closing drops nothing
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise _os_error(self.run_dir, e, "lock") from None
+                raise RunBusy(f"run directory {self.run_dir} is being trained by {holder}; wait for it to finish "
+                              f"or stop it (its lock, {path}, is released when that process exits), or choose "
+                              "another --train.name") from None
+            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            command = " ".join(sys.argv) or sys.executable
+            _HELD[self.key] = f"process {os.getpid()} on {socket.gethostname()}, started {started}: {command}"
+            self.fd = fd
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "command": command}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError:  # only the refusal message of another trainer reads it ("another process")
+            pass
+
+    def release(self) -> None:
+        with _GUARD:  # closed before the key is freed: a new lock of the directory cannot open it in between
+            if self.fd is None:
+                return
+            os.close(self.fd)  # releases the record lock
+            self.fd = None
+            del _HELD[self.key]
+
+    def __del__(self):  # a Trainer dropped without running (tests): its lock goes with it
+        self.release()
+
+
+def on_main(accelerator, action, *args):
+    """``action(*args)`` on the main process, its result returned there (None elsewhere); a ConfigError it
+    raises is raised on every process, with the same message and class (RunBusy or ConfigError), instead of
+    leaving the other processes at the next barrier. A collective under several processes."""
+    from accelerate.utils import broadcast_object_list
+
+    result, problem = None, [None, None]
+    if accelerator.is_main_process:
+        try:
+            result = action(*args)
+        except ConfigError as e:
+            problem = [str(e), isinstance(e, RunBusy)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(problem, from_process=0)
+    if problem[0] is not None:
+        raise (RunBusy if problem[1] else ConfigError)(problem[0])
+    return result
+
+
+def lock_run_dir(accelerator, run_dir: Path) -> RunLock | None:
+    """The run directory's lock, taken by the main process (None on the others); every process raises the
+    same RunBusy (or ConfigError) when it could not be taken."""
+    return on_main(accelerator, RunLock, run_dir)
 
 
 class MetricsWriter:
-    """Appends one JSON row per logged step to metrics.jsonl (main process only)."""
+    """Appends one JSON row per logged step to metrics.jsonl (main process only). A row that cannot be
+    written whole (a full disk) is taken back, so the file never holds a partial line, and the run stops
+    with MetricsWriteError."""
 
     def __init__(self, path: Path, enabled: bool):
         self.path, self.enabled = path, enabled
 
     def write(self, row: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+        if not self.enabled:
+            return
+        line = (json.dumps(row) + "\n").encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise MetricsWriteError(f"could not open {self.path}: {e.strerror or e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                done = 0
+                while done < len(line):  # a short write is followed by the one that fails with the reason
+                    written = os.write(fd, line[done:])
+                    if written == 0:
+                        raise OSError(errno.EIO, f"wrote {done} of {len(line)} bytes")
+                    done += written
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, size)  # no partial row for the next append (or a resume) to follow
+                except OSError:
+                    pass
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise MetricsWriteError(
+                    f"could not append the row of step {row.get('step')} to {self.path}: {e.strerror or e}; the "
+                    "file is left as it was and training stops (it resumes from the newest checkpoint). "
+                    + ("Free some space" if full else "Fix the cause") + ", then resume with the same command "
+                    "and --resume.") from e
+        finally:
+            os.close(fd)
 
 
 def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
@@ -85,11 +249,54 @@ def global_batch(cfg: Config, num_processes: int) -> str:
             f"{num_processes} process(es) x data.crop_seconds {cfg.data.crop_seconds:g})")
 
 
-def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1) -> Path:
+def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1, resume: bool = False) -> Path:
+    """Write the run's config.yaml and tokenizer.json (main process, under the run's lock), each complete
+    or absent. A fresh run (not ``resume``) creates config.yaml atomically and is refused if it exists
+    meanwhile; ``resume`` replaces it (its model settings were checked to be the same: check_run_dir).
+    ConfigError for a directory that cannot be written."""
     run_dir = cfg.run_dir
     saved_cfg = run_dir / "config.yaml"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    save_config(cfg, saved_cfg, comment=f"launched with {global_batch(cfg, num_processes)}")
-    (run_dir / "tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2))
+    part = run_dir / f".config.yaml.{os.getpid()}.part"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        save_config(cfg, part, comment=f"launched with {global_batch(cfg, num_processes)}")
+        fsync_file(part)
+        if resume:
+            os.replace(part, saved_cfg)
+        else:
+            try:
+                _create(part, saved_cfg)
+            except FileExistsError:
+                raise ConfigError(f"run directory {run_dir} already exists; pass --resume to continue it, "
+                                  f"or choose another --train.name") from None
+            finally:
+                part.unlink(missing_ok=True)
+        tok = run_dir / f".tokenizer.json.{os.getpid()}.part"
+        tok.write_text(json.dumps(tokenizer_info, indent=2))
+        fsync_file(tok)
+        os.replace(tok, run_dir / "tokenizer.json")
+        fsync_dir(run_dir)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        raise _os_error(run_dir, e, "write the run directory") from None
     return run_dir
+
+
+def _create(part: Path, path: Path) -> None:
+    """``path`` with the contents of the complete file ``part``, created atomically: FileExistsError if
+    ``path`` exists. A hard link (complete or absent); where the file system has none, an exclusive create
+    and a copy (the name is still claimed by one process only)."""
+    try:
+        os.link(part, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(part.read_bytes())
+        f.flush()
+        os.fsync(f.fileno())

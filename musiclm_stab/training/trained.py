@@ -9,11 +9,14 @@ from safetensors.torch import load_file
 
 from musiclm_stab.config import Config, ConfigError, config_from_run
 from musiclm_stab.model import MusicMLM
-from musiclm_stab.training.checkpoint import STATE_FILE, newest_valid
+from musiclm_stab.training.checkpoint import STATE_FILE, newest_valid, verify
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run_dir, checkpoint_dir) from a run directory (newest complete checkpoint) or a checkpoint dir."""
+    """(run_dir, checkpoint_dir) from a run directory (its newest intact checkpoint) or a checkpoint dir,
+    which must be intact: every way of naming a checkpoint (evaluate, export, features, probe) checks
+    its files against the sha256 in its manifest, and a damaged one named directly is refused (ConfigError
+    naming the file), not loaded; a run directory skips a damaged one with a warning, as --resume does."""
     path = Path(path)
     if (path / "config.yaml").is_file():
         ckpt = newest_valid(path)
@@ -21,6 +24,10 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
             raise ConfigError(f"{path} has no complete checkpoint in {path / 'checkpoints'}")
         return path, ckpt
     if (path / STATE_FILE).is_file() and (path.parent.parent / "config.yaml").is_file():
+        problem = verify(path)
+        if problem is not None:
+            raise ConfigError(f"checkpoint {path} is damaged: {problem}; it is not loaded (the run directory "
+                              f"{path.parent.parent} names its newest intact checkpoint)")
         return path.parent.parent, path
     raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a complete checkpoint "
                       f"(with {STATE_FILE})")

@@ -31,17 +31,21 @@ from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint, checkpoint_load
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
+from musiclm_stab.training.fits import check_data_fits, check_memory_fits, local_process_count
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED, MinLossScaleError
-from musiclm_stab.training.optim import build_optimizer, lr_lambda
+from musiclm_stab.training.optim import build_optimizer, frontend_groups, lr_lambda
 from musiclm_stab.training.precision import FairseqFp16, launched_precision, make_precision
 from musiclm_stab.training.registered import Registered
 from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
+    MetricsWriteError,
     MetricsWriter,
     check_run_dir,
     global_batch,
     global_batch_crops,
+    lock_run_dir,
+    on_main,
     resolve_grad_accum,
     warmup_line,
     write_run_dir,
@@ -64,6 +68,19 @@ class Trainer:
     """The training loop's state and its two halves: ``train_step`` (micro-batches) and ``update``."""
 
     def __init__(self, cfg: Config, resume: bool = False):
+        self.run_lock = None  # the run directory's lock (run_dir.RunLock), held until the run ends
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            self.release_run_dir()
+            raise
+
+    def release_run_dir(self) -> None:
+        """Let another trainer have the run directory: at the end of ``run``, or when the start failed."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _setup(self, cfg: Config, resume: bool) -> None:
         cfg = cfg.resolved()  # per-size values and the warmup filled in (load_config's already are)
         # accelerate launch's --mixed_precision (or its config file's) is obeyed, and said: precision.py
         cfg, precision_note = launched_precision(cfg)
@@ -100,11 +117,15 @@ class Trainer:
         self.eval_loader = None if held_out is None else held_out_loader(
             cfg, held_out, max_batches=tcfg.eval_batches, rank=accelerator.process_index,
             world_size=accelerator.num_processes)
+        # Before any work: the model against the data's tokenizer and the machine's memory (fits.py), then
+        # one trainer per run directory (run_dir.RunLock; every process learns if it is refused)
+        check_data_fits(cfg, tokenizer_info)
+        check_memory_fits(cfg, accelerator.device, local_process_count(accelerator.num_processes))
+        self.run_lock = lock_run_dir(accelerator, cfg.run_dir)
         check_run_dir(cfg, resume, tokenizer_info)
         self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
         accelerator.wait_for_everyone()  # every process has checked the run directory before it is written
-        if accelerator.is_main_process:
-            write_run_dir(cfg, tokenizer_info, accelerator.num_processes)
+        on_main(accelerator, write_run_dir, cfg, tokenizer_info, accelerator.num_processes, resume)
         accelerator.wait_for_everyone()
         self.run_dir = cfg.run_dir
 
@@ -114,7 +135,8 @@ class Trainer:
             model.frontend.compile()
             model.encoder.compile()
         self.precision = make_precision(cfg, accelerator)
-        optimizer = build_optimizer(self.precision.prepare_model(model), ocfg)  # fairseq fp16: fp32 master copies
+        # fairseq fp16: fp32 master copies; optim.frontend_lr: the conv frontend in a group of its own
+        optimizer = build_optimizer(frontend_groups(model, self.precision.prepare_model(model), ocfg), ocfg)
         if isinstance(self.precision, FairseqFp16):
             self.precision.attach(optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(ocfg.warmup_steps, tcfg.max_steps))
@@ -324,11 +346,13 @@ class Trainer:
             self.checkpoints.wait()  # the last checkpoint is complete before the run ends
         except BaseException as error:
             self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
+            self.release_run_dir()
             raise
         finally:
             bar.close()
             stop.restore()
         acc.end_training()
+        self.release_run_dir()
         if acc.is_main_process:
             print(f"done: {self.run_dir} (step {self.step}); checkpoints in {self.run_dir / 'checkpoints'}")
         return self.run_dir
@@ -475,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TokenizerMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except checkpoint.CheckpointWriteError as e:  # e.g. disk full: stop, the previous checkpoint is intact
+    except (checkpoint.CheckpointWriteError, MetricsWriteError) as e:  # e.g. disk full: the checkpoint is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
     except MinLossScaleError as e:  # the run diverged (fp16): recorded in metrics.jsonl as a min_loss_scale event

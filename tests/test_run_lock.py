@@ -1,0 +1,141 @@
+"""One trainer per run directory: a second one is refused with a clear line and exit 2 while the first
+runs, and accepted once the first has died, however (kill -9 included); under several processes the whole
+refused job stops together."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_checkpoint import finish, kill, pause_at, rows, start, wait_for_file
+from test_distributed import launch_reporting
+
+from musiclm_stab.training import checkpoint
+
+LOCK_FILE = ".train.lock"  # run_dir.LOCK_FILE: what a second trainer's refusal names
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from musiclm_stab.training.run_dir import RunLock
+    lock = RunLock(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(600)
+""")
+
+
+def hold(run_dir: Path) -> subprocess.Popen:
+    """A process that takes the run directory's lock (as a trainer does) and keeps it until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    assert line == "locked\n", line + proc.communicate()[0]
+    return proc
+
+
+def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kill_9(tokenized_dataset, tmp_path):
+    """Trainer A is held in the middle of writing checkpoint 4 (its loader with 2 worker processes); a
+    requeued `--resume` of the same run and a fresh launch of it are each refused with exit 2 and one
+    line naming A's pid, and touch nothing: A's partial write is not removed as a crash's, no metrics row
+    is added (before: both trained, 43 rows for 30 steps). Right after kill -9 of A (its workers may still
+    be exiting: a record lock is not theirs), `--resume` is accepted and finishes: every step from A's
+    checkpoint 2 on, logged once more, in order."""
+    run_dir, marker = tmp_path / "r", tmp_path / "paused"
+    a = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--data.num_workers=2",
+              env=pause_at(4, "files", marker))
+    try:
+        wait_for_file(a, marker)
+        logged = rows(run_dir)
+        partial = run_dir / "checkpoints" / ".tmp-step_00000004"
+        assert partial.is_dir()
+        for extra in (["--resume"], []):
+            b = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", *extra)
+            out, _ = b.communicate(timeout=300)
+            errors = [line for line in out.splitlines() if line.startswith("error: ")]
+            assert b.returncode == 2, out[-3000:]
+            assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+            assert errors[0].startswith(f"error: run directory {run_dir} is being trained by process {a.pid} "), errors
+            assert f"(its lock, {run_dir / LOCK_FILE}, is released when that process exits)" in errors[0]
+            assert rows(run_dir) == logged and partial.is_dir()
+    finally:
+        kill(a)
+    out = finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
+    assert f"removed {partial}" in out and "step_00000002 at step 2" in out, out[-3000:]
+    steps = [r["step"] for r in rows(run_dir)]
+    assert steps == list(range(1, len(logged) + 1)) + [3, 4, 5, 6], steps
+    assert [c.name for c in checkpoint.list_checkpoints(run_dir)][-1] == "step_00000006"
+
+
+def test_two_fresh_launches_of_one_run_one_trains(tokenized_dataset, tmp_path):
+    """Two fresh launches of the same run at the same moment: exactly one trains (exit 0), the other is
+    refused with exit 2 and one line (the run is being trained, or already exists); the run's metrics
+    have each step once."""
+    procs = [start(tokenized_dataset, tmp_path, "f", "--train.max_steps=2") for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [(p.returncode, o[-2000:]) for p, o in zip(procs, outs)]
+    refused = outs[[p.returncode for p in procs].index(2)]
+    errors = [line for line in refused.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in refused, refused[-3000:]
+    assert (f"run directory {tmp_path / 'f'} is being trained by process" in errors[0]
+            or f"run directory {tmp_path / 'f'} already exists" in errors[0]), errors
+    assert [r["step"] for r in rows(tmp_path / "f")] == [1, 2]
+
+
+def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
+    """A run directory locked by another process is refused (RunBusy, naming that pid), also when asked
+    again; after kill -9 of the holder the lock is free at once, with its file still there. Five rounds."""
+    from musiclm_stab.training.run_dir import RunBusy, RunLock
+
+    run_dir = tmp_path / "run"
+    for _ in range(5):
+        holder = hold(run_dir)
+        try:
+            for _ in range(2):
+                with pytest.raises(RunBusy, match=rf"is being trained by process {holder.pid} on "):
+                    RunLock(run_dir)
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.communicate()
+        lock = RunLock(run_dir)
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+        lock.release()
+
+
+def test_one_process_cannot_lock_a_run_directory_twice(tmp_path):
+    """A second RunLock of the same directory in the same process is refused (record locks do not
+    conflict within a process, and closing its file would drop the first one's lock); after release the
+    directory can be locked again, and another process is refused meanwhile."""
+    from musiclm_stab.training.run_dir import RunBusy, RunLock
+
+    first = RunLock(tmp_path / "run")
+    with pytest.raises(RunBusy, match=r"\(this process\)"):
+        RunLock(tmp_path / "run")
+    probe = subprocess.run([sys.executable, "-c", HOLD, str(tmp_path / "run")], capture_output=True, text=True,
+                           timeout=120)
+    assert probe.returncode != 0 and f"is being trained by process {os.getpid()}" in probe.stderr, probe.stderr
+    first.release()
+    RunLock(tmp_path / "run").release()
+
+
+def test_both_ranks_of_a_refused_job_stop_together(tokenized_dataset, tmp_path):
+    """2 gloo processes launched on a run directory another process holds: both ranks exit 2 with the same
+    line naming the holder, and neither waits at a barrier for the other (before: both trained into it)."""
+    holder = hold(tmp_path / "busy")
+    try:
+        ranks = launch_reporting(tokenized_dataset, tmp_path, "busy", "--train.max_steps=2", torchrun=False,
+                                 timeout=600)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate()
+    errors = {r: [line for line in out.splitlines() if line.startswith("error: ")] for r, (_, out) in ranks.items()}
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors
+    assert f"is being trained by process {holder.pid} " in errors[0][0], errors
+    for rank, (code, out) in ranks.items():
+        assert code == 2 and "process group left before exit: True" in out, (rank, code, out[-3000:])
+    assert not (tmp_path / "busy" / "config.yaml").exists() and not (tmp_path / "busy" / "metrics.jsonl").exists()
