@@ -3,6 +3,7 @@ attention forms and a Pre-LN stack in fp16 as fairseq's --fp16 and torch amp com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -195,3 +196,98 @@ def test_emulated_overflow_is_the_same_on_every_cpu_kernel_set():
     assert results[0]["first_inf_layer"] == results[1]["first_inf_layer"] < 11
     assert results[0]["inf_mask"] == results[1]["inf_mask"] and any(results[0]["inf_mask"])
 
+
+
+MERT_330M_FRAMES = 1469  # masked frames of one MERT-330M GPU micro-batch: 7 crops x 384 frames x 0.547
+
+
+def mse_gradient_finite(scale: float, frames: int, emulate: bool) -> bool:
+    """Backpropagate the musical MSE of ``frames`` masked frames times loss_scale x frames, as fairseq's
+    criterion (``p.float() * sample_size``) and optimizer (``loss * loss_scale``) do; whether the fp16
+    prediction's gradient is finite."""
+    from musiclm_stab.model.objective import musical_loss
+
+    gen = torch.Generator().manual_seed(0)
+    target = torch.rand(frames, 336, generator=gen)
+    pred = round_fp16(target + 0.1 * torch.randn(frames, 336, generator=gen))
+    if not emulate:
+        pred = pred.half()
+    pred.requires_grad_(True)
+    with Fp16Emulation("fairseq") if emulate else contextlib.nullcontext():
+        (musical_loss(pred, target) * (scale * frames)).backward()
+    return bool(torch.isfinite(pred.grad).all())
+
+
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "half"])
+def test_fp16_musical_mse_caps_the_loss_scale_at_32_for_mert_330m_frames(emulate):
+    """The musical MSE is computed in fp16 and its scalar cast, as MERT does: for MERT-330M's 1469 masked
+    frames the gradient reaching it (scale x frames) is finite at loss scale 32 and inf at 64, so fairseq's
+    scaler sits at 32 (emulated and on real half tensors alike)."""
+    assert mse_gradient_finite(32, MERT_330M_FRAMES, emulate)
+    assert not mse_gradient_finite(64, MERT_330M_FRAMES, emulate)
+    assert mse_gradient_finite(64, 1000, emulate)  # 64 x 1000 < 65504: the cap follows the frame count
+
+
+def test_musical_mse_stays_fp32_outside_fairseq_fp16():
+    """In fp32 (and the amp policy, where autocast computes mse_loss in fp32) the MSE is an fp32 value: no
+    cap, the same gradient at any scale."""
+    from musiclm_stab.model.objective import musical_loss
+
+    gen = torch.Generator().manual_seed(0)
+    pred = torch.rand(MERT_330M_FRAMES, 8, generator=gen).requires_grad_(True)
+    target = torch.rand(MERT_330M_FRAMES, 8, generator=gen)
+    (musical_loss(pred, target) * 1e9).backward()
+    assert torch.isfinite(pred.grad).all()
+    with Fp16Emulation("amp"):
+        out = musical_loss(pred, target)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.nn.functional.mse_loss(pred, target))
+
+
+def test_positional_conv_weight_norm_keeps_its_norms_fp32_and_rounds_once():
+    """The positional conv's weight norm under the fairseq emulation is g * v / ||v|| computed wider and
+    rounded once to fp16 (CUDA's fused kernel keeps the norms fp32), not norms, ratio and product each
+    rounded; in fp32 it is torch's weight_norm to the bit, with the same parameter names."""
+    from musiclm_stab.model.encoder import PositionalConv
+
+    torch.manual_seed(0)
+    ours = PositionalConv(128, 128, 16)
+    torchs = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(128, 128, 128, padding=64, groups=16), dim=2)
+    torchs.load_state_dict(ours.conv.state_dict())
+    assert torch.equal(ours.conv.weight, torchs.weight)
+    round_parameters_(ours)
+    g, v = (getattr(ours.conv.parametrizations.weight, f"original{i}").double() for i in (0, 1))
+    rounded_once = round_fp16((v * (g / torch.norm_except_dim(v, 2, 2))).float())
+    with Fp16Emulation("fairseq"):
+        weight = ours.conv.weight
+        weight.sum().backward()
+    assert torch.equal(weight, rounded_once)
+    assert all(is_fp16(p.grad) for p in ours.conv.parametrizations.weight.parameters())
+
+
+def attention_grads(form: str, scale: float, emulate: bool = True):
+    """Gradients of q, k, v of ``scale`` x a fixed weighted sum of attention's output (a loss scale times a
+    loss), under the fairseq emulation or in float64."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(2, 4, 24, 16, generator=gen) for _ in range(4))
+    if emulate:
+        q, k, v, w = (round_fp16(t) for t in (q, k, v, w))
+    else:
+        q, k, v, w = (t.double() for t in (q, k, v, w))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with Fp16Emulation("fairseq") if emulate else contextlib.nullcontext():
+        ((attend(q, k, v, form, alpha=32.0) * w).sum() * scale).backward()
+    return [t.grad.double() / scale for t in (q, k, v)]
+
+
+def test_relax_backward_in_fp16_equals_math_and_has_32x_less_headroom():
+    """PB-relax's backward in fp16: at an ordinary loss scale its q, k, v gradients equal the exact ones as
+    closely as math's do; but the gradient of its small logits (Q / (alpha sqrt d)) K^T is alpha = 32 times
+    math's logit gradient and is held in fp16, so at a loss scale where that passes 65504 relax's gradients
+    overflow while math's stay finite (here relax overflows from loss scale 512, math from 4096)."""
+    exact = attention_grads("math", 1.0, emulate=False)
+    for form in ("math", "relax"):
+        for got, want in zip(attention_grads(form, 128.0), exact):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
+    math_grads, relax_grads = attention_grads("math", 1024.0), attention_grads("relax", 1024.0)
+    assert all(torch.isfinite(g).all() for g in math_grads)
+    assert not all(torch.isfinite(g).all() for g in relax_grads)

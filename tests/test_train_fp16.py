@@ -238,3 +238,17 @@ def test_loss_scaler_rules():
     restored = DynamicLossScaler()
     restored.load_state_dict(json.loads(json.dumps(lenient.state_dict())))
     assert restored.state_dict() == lenient.state_dict()
+
+
+def test_fp16_musical_mse_pins_the_loss_scale_below_65504_over_the_masked_frames(tokenized_dataset, tmp_path):
+    """With the scale window at 1 the scale doubles after every clean update from 128; the fp16 musical MSE
+    (as MERT computes it) overflows once loss_scale x masked frames passes 65504, so with ~165 masked frames
+    a batch (2 crops of 150 frames) the scale is pinned at 256 and overflows at every try of 512."""
+    trainer = Trainer(fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=8", "--train.fp16_scale_window=1"))
+    tried = []  # (the scale an update ran at, whether it overflowed)
+    for _ in range(10):
+        scale = trainer.precision.loss_scale
+        trainer.train_step()
+        tried.append((scale, trainer.update()["overflow"]))
+    assert max(s for s, _ in tried) == 512, tried
+    assert all(overflow == (s == 512) for s, overflow in tried), tried

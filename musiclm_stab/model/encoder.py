@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from torch import nn
 
 from musiclm_stab.config import INIT_SCHEMES, ConfigError, ModelConfig
 from musiclm_stab.model.attention import SelfAttention, fast_dropout
+from musiclm_stab.model.fp16_arith import fp32
 from musiclm_stab.model.norm_schemes import SchemeSpec, make_norm, resolve_scheme
 
 
@@ -136,6 +138,26 @@ class Encoder(nn.Module):
         return (x, hidden) if return_hidden else x
 
 
+class Fp32WeightNorm(nn.Module):
+    """The weight-norm parametrization w = g * v / ||v|| (norms over every dim but ``dim``), computed in fp32
+    and rounded once into the model's dtype: what CUDA's fused weight-norm kernel does for half weights (its
+    norms stay fp32; torch 1.12 and fairseq's pos_conv took it). torch's own parametrization computes it in
+    the weights' dtype on a CPU, rounding the norms, the ratio and the product to fp16 under the emulation.
+    In fp32 it is torch's own (``torch._weight_norm``). The same parameters as
+    ``nn.utils.parametrizations.weight_norm`` (``parametrizations.weight.original0`` = g,
+    ``original1`` = v), so checkpoints and the HuBERT export see no difference."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, weight_g: torch.Tensor, weight_v: torch.Tensor) -> torch.Tensor:
+        return torch._weight_norm(fp32(weight_v), fp32(weight_g), self.dim).to(weight_v.dtype)
+
+    def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.norm_except_dim(weight, 2, self.dim), weight
+
+
 class PositionalConv(nn.Module):
     """Convolutional relative positional embedding (wav2vec2): weight-normed grouped conv + GELU."""
 
@@ -144,7 +166,8 @@ class PositionalConv(nn.Module):
         conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
         nn.init.normal_(conv.weight, mean=0.0, std=(4.0 / (kernel * dim)) ** 0.5)
         nn.init.zeros_(conv.bias)
-        self.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+        torch.nn.utils.parametrize.register_parametrization(conv, "weight", Fp32WeightNorm(dim=2), unsafe=True)
+        self.conv = conv
         self.trim = 1 if kernel % 2 == 0 else 0  # an even kernel yields one extra frame
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,16 @@ def emulating() -> str | None:
     return stack[-1] if stack else None
 
 
+def fp32_one_op(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, for an fp32 island of a single operation whose result goes straight back into the
+    fp16 model (fairseq's Fp32GroupNorm). Under the emulation float32 suffices there, and is what a GPU
+    computes: the emulation rounds that one operation's outputs to fp16 in forward, which is the island's
+    cast back, and its backward outputs, which is the cast of the gradients at the island's entrance. An
+    island of several operations needs ``fp32`` (float64 under the emulation), or its inner results would
+    be rounded too."""
+    return x.float()
+
+
 def fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the dtype of an fp32 island: float32, or float64 under the ``fairseq`` emulation, where
     float32 holds fp16 values (module docstring). Bool and integer tensors become that float type too."""
@@ -101,6 +111,14 @@ def no_rounding() -> Iterator[None]:
 
 def _round_float32(x):
     return round_fp16(x) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+
+def _round_float32_(x):
+    """``_round_float32`` in place, for a fresh output (no other tensor sees its storage): one half-size
+    temporary instead of two full ones; the same values."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        x.copy_(x.to(torch.float16))
+    return x
 
 
 class _OpKind:
@@ -162,15 +180,22 @@ class Fp16Emulation(TorchDispatchMode):
             return out
         if kind.view:  # no new values
             return out
-        if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten((args, kwargs))[0]):
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not any(a.is_floating_point() for a in inputs):
             return out  # a factory or a cast from integers or booleans: exact draws and values
-        return _round_outputs(out, kind)
+        # A functional operation's outputs are new tensors: rounded in place (cheaper), unless one shares
+        # an input's storage (never expected of a non-view operation; checked all the same).
+        shared = {a.untyped_storage().data_ptr() for a in inputs if a.device.type != "meta"}
+        fresh = all(o.untyped_storage().data_ptr() not in shared
+                    for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.device.type != "meta")
+        return _round_outputs(out, kind, in_place=fresh)
 
 
-def _round_outputs(out, kind: _OpKind):
+def _round_outputs(out, kind: _OpKind, in_place: bool = False):
+    rounded = _round_float32_ if in_place else _round_float32
     if kind.first_only and isinstance(out, tuple):
-        return (_round_float32(out[0]), *out[1:])
-    return tree_map(_round_float32, out)
+        return (rounded(out[0]), *out[1:])
+    return tree_map(rounded, out)
 
 
 def emulation(policy: str | None) -> contextlib.AbstractContextManager:

@@ -11,7 +11,8 @@ masked frames (so the mean over processes is the global batch's mean). Training,
 exported model's check all go through ``mlm_objective``; ``MLMOutput.metrics`` names every logged value.
 
 Precision. The objective is an fp32 island in an fp16 model (``fp32`` of model/fp16_arith.py), as fairseq's
-hubert criterion computes its cross-entropy on fp32 logits (MERT's ``get_logits`` casts them).
+hubert criterion computes its cross-entropy on fp32 logits (MERT's ``get_logits`` casts them); but for the
+musical MSE, which MERT computes in fp16 and then casts (``musical_loss``: this caps fairseq's loss scale).
 
 Units. The objective is computed in nats (natural-log cross-entropy) whatever is logged. ``metrics(unit)``
 reports every *loss* (``LOSS_METRICS``: loss, acoustic_mlm_loss and its per-codebook parts,
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from musiclm_stab.model.fp16_arith import fp32
+from musiclm_stab.model.fp16_arith import emulating, fp32, round_fp16
 
 NATS_PER_BIT = math.log(2.0)
 # The metrics that are losses, whose logged value depends on train.loss_unit (also with an "eval/" prefix).
@@ -103,9 +104,21 @@ def acoustic_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
 
 
 def musical_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE between predicted and true CQT magnitudes of the masked frames: [N, n_bins] each."""
+    """MSE between predicted and true CQT magnitudes of the masked frames: [N, n_bins] each.
+
+    In an fp16 model as fairseq runs it (real half tensors, or the ``fairseq`` emulation) the MSE is computed
+    in fp16 and its scalar then cast to fp32, as MERT computes it (``nn.MSELoss`` on the fp16 prediction and
+    target; the criterion takes ``p.float() * sample_size``). That cast matters in backward: the gradient
+    reaching the fp16 MSE is loss_scale x masked frames x musical_weight, cast to fp16, so it is inf once
+    that product passes 65504, the update overflows and the scaler halves. This caps fairseq's loss scale at
+    the largest power of two below 65504 / (frames x weight): 32 for MERT-330M's ~1469 masked frames per GPU
+    micro-batch. Elsewhere (fp32, bf16, amp, where autocast computes ``mse_loss`` in fp32) it is fp32.
+    """
     if pred.shape[0] == 0:
-        return pred.new_zeros(())
+        return fp32(pred.new_zeros(()))
+    if emulating() == "fairseq" or (pred.dtype == torch.float16 and not torch.is_autocast_enabled(pred.device.type)):
+        # the target cast to the model's dtype (fp16) as MERT's is, the MSE in fp16, then the scalar widened
+        return fp32(F.mse_loss(pred, round_fp16(target.to(pred.dtype))))
     return F.mse_loss(fp32(pred), fp32(target))
 
 
