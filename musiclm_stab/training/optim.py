@@ -7,9 +7,25 @@ import torch
 from musiclm_stab.config import OptimConfig
 
 
+def frontend_groups(model: torch.nn.Module, params: list, cfg: OptimConfig) -> list:
+    """``params`` (the trained parameters of ``model`` in its ``parameters()`` order, or their fp32 master
+    copies in that order) as optimizer parameter groups: one group, or with ``optim.frontend_lr`` set two,
+    the conv frontend's (``model.frontend``) at its own peak lr, the rest at ``optim.lr``."""
+    if cfg.frontend_lr is None:
+        return params
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if len(trained) != len(params):
+        raise ValueError(f"{len(params)} parameters to optimize for the model's {len(trained)} trained ones")
+    frontend = {id(p) for p in model.frontend.parameters()}
+    in_frontend = [id(p) in frontend for p in trained]
+    return [{"params": [q for q, f in zip(params, in_frontend) if not f]},
+            {"params": [q for q, f in zip(params, in_frontend) if f], "lr": cfg.frontend_lr}]
+
+
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW with the configured betas, eps and weight decay (``optim.fused``: torch's fused kernel). Loading
-    a checkpoint into it keeps the configured kernel (``keep_configured_kernel``)."""
+    a checkpoint into it keeps the configured kernel (``keep_configured_kernel``). ``params``: parameters
+    or groups (``frontend_groups``); a group without its own lr takes ``optim.lr``."""
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                   fused=cfg.fused or None)
     optimizer.register_load_state_dict_pre_hook(keep_configured_kernel)
