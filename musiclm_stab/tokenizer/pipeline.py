@@ -299,6 +299,8 @@ def tokenize(
         if retry_failures:
             with writing(out_dir):
                 out.reopen_failed()
+        with writing(out_dir):
+            out.reopen_damaged()  # a part damaged since it was committed is redone (data/tokenized.py check_parts)
         meta = {
             **info,
             "segment_seconds": segment_samples / SAMPLE_RATE,
