@@ -69,3 +69,19 @@ def test_the_run_directory_skips_it_and_an_intact_one_loads(damaged, tmp_path):
     shutil.copytree(damaged, copy)
     _, ckpt, step = load_checkpoint(copy / "checkpoints" / "step_00000002")
     assert step == 2 and checkpoint.verify(ckpt) is None
+
+
+def test_evaluate_that_cannot_write_its_result_prints_it_and_says_why(damaged, tmp_path, capsys):
+    """evaluate of a run whose eval/ cannot be made (a file there; the disk full or read-only alike): the
+    table is printed, then one line naming the file and the reason, exit 1 (before: an OSError traceback
+    after the work, and the results lost)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(damaged, copy, ignore=shutil.ignore_patterns("step_00000004"))
+    (copy / "eval").write_text("a file where the folder belongs")
+    assert cli(["evaluate", str(copy)]) == 1
+    out = capsys.readouterr()
+    assert f"evaluation of {copy / 'checkpoints' / 'step_00000002'} (step 2)" in out.out
+    errors = [line for line in out.err.splitlines() if line.startswith("error: ")]  # after the progress bar
+    assert errors == [f"error: evaluated {copy / 'checkpoints' / 'step_00000002'}, but could not write "
+                      f"{copy / 'eval' / 'step_00000002.json'}: File exists"], out.err
+    assert out.err.endswith("File exists\n") and "Traceback" not in out.err

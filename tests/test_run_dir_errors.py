@@ -108,3 +108,18 @@ def test_a_metrics_row_that_cannot_be_written_whole_is_taken_back(tmp_path):
                                         "File too large"), report
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b"" and [json.loads(x)["step"] for x in lines[:-1]] == list(range(1, report["failed_at"]))
+
+
+def test_resume_with_a_damaged_tokenizer_json_is_one_line(tokenized_dataset, tmp_path, capsys,
+                                                          fresh_accelerate_state):
+    """--resume of a run whose tokenizer.json is not JSON: exit 2 and one line naming it (before: a
+    JSONDecodeError traceback)."""
+    from musiclm_stab.config import load_config, save_config
+
+    given = args(tokenized_dataset, tmp_path)
+    (tmp_path / "r").mkdir()
+    save_config(load_config(given[1], given[2:]), tmp_path / "r" / "config.yaml")
+    (tmp_path / "r" / "tokenizer.json").write_text('{"model": "encodec_24khz", ')
+    assert train.main([*given, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'r' / 'tokenizer.json'}: not a JSON file: ") and err.count("\n") == 1, err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from musiclm_stab.data.loader import EVAL_BATCH_SIZE, EVAL_SEED, held_out_loader
 from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.precision import forward_context
+from musiclm_stab.training.run_dir import read_run_json
 from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
@@ -42,7 +44,7 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
     hf, info = load_tokenized(data_path)
     run_tok = run_dir / "tokenizer.json"
     if run_tok.is_file():
-        check_same_tokenizer(json.loads(run_tok.read_text()), info, f"run {run_dir}", f"data {data_path}")
+        check_same_tokenizer(read_run_json(run_tok), info, f"run {run_dir}", f"data {data_path}")
     train_idx, eval_idx = split_indices(hf["track"], cfg.data.eval_fraction)
     indices = {"eval": eval_idx, "train": train_idx, "all": sorted(train_idx + eval_idx)}.get(split)
     if indices is None:
@@ -63,10 +65,27 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
                    "split": split, "unit": cfg.train.loss_unit,
                    "num_segments": len(dataset), "masked_frames": frames, "seed": seed})
     if write:
-        out_dir = run_dir / "eval"
-        out_dir.mkdir(exist_ok=True)
-        (out_dir / f"step_{step:08d}.json").write_text(json.dumps(result, indent=2))
+        write_result(result)
     return result
+
+
+class EvaluationWriteError(RuntimeError):
+    """The results could not be written into the run directory (it is read-only, the disk is full, ...)."""
+
+
+def write_result(result: dict) -> Path:
+    """Write ``evaluate``'s result to ``<run>/eval/step_<N>.json`` (complete or absent); EvaluationWriteError
+    naming the file and the reason if it cannot be."""
+    ckpt = Path(result["checkpoint"])
+    out = ckpt.parent.parent / "eval" / f"step_{result['step']:08d}.json"
+    part = out.with_name(f".{out.name}.part")
+    try:
+        out.parent.mkdir(exist_ok=True)
+        part.write_text(json.dumps(result, indent=2))
+        os.replace(part, out)
+    except OSError as e:
+        raise EvaluationWriteError(f"evaluated {ckpt}, but could not write {out}: {e.strerror or e}") from e
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -97,9 +116,14 @@ def cli_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         data = args.data[0] if args.data and len(args.data) == 1 else args.data
-        result = evaluate(args.path, data, args.split, args.batch_size, args.seed, args.device)
+        result = evaluate(args.path, data, args.split, args.batch_size, args.seed, args.device, write=False)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
+    print(format_table(result))  # shown even if it cannot be written
+    try:
+        write_result(result)
+    except EvaluationWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0

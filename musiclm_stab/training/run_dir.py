@@ -207,8 +207,20 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
                               f"--train.loss_unit={old['train']['loss_unit']}")
         old_tok = run_dir / "tokenizer.json"
         if old_tok.exists():
-            check_same_tokenizer(json.loads(old_tok.read_text()), tokenizer_info, f"run {run_dir}",
-                                 f"data {cfg.data.path}")
+            check_same_tokenizer(read_run_json(old_tok), tokenizer_info, f"run {run_dir}", f"data {cfg.data.path}")
+
+
+def read_run_json(path: Path) -> dict:
+    """A JSON object of a run directory (its tokenizer.json); ConfigError naming the file otherwise."""
+    try:
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ConfigError(f"{path}: not a JSON file: {' '.join(str(e).split())}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
 
 
 def resolve_grad_accum(cfg: Config, num_processes: int) -> Config:
