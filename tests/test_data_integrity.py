@@ -311,3 +311,25 @@ def test_merge_refuses_a_damaged_shard_before_writing(small, tmp_path):
         merge_shards(tmp_path / "merged", shards)
     assert str(shards[0] / "parts" / "u000002.arrow") in _one_line(e) and "sha256" in str(e.value)
     assert not (tmp_path / "merged").exists()
+
+
+def test_shards_without_part_hashes_merge_into_a_hashed_output(small, tmp_path):
+    """Shards of a version before part hashes (no sizes or hashes in their records and tokenizer.json) still
+    merge; the merged output records every part's size and sha256, and running the merge again changes
+    nothing."""
+    src, _, kw = small
+    shards = [tmp_path / f"s{i}" for i in range(2)]
+    for i, d in enumerate(shards):
+        tokenize(src, d, shard=f"{i}/2", **kw)
+        for record_file in (d / ".tokenize" / "units").iterdir():
+            record = json.loads(record_file.read_text())
+            record_file.write_text(json.dumps({k: v for k, v in record.items() if k not in ("bytes", "sha256")}))
+        _unhash(d)
+    merged = tmp_path / "merged"
+    merge_shards(merged, shards)
+    info = json.loads((merged / "tokenizer.json").read_text())
+    assert [(p["bytes"], p["sha256"]) for p in info["parts"]] == [
+        ((merged / p["file"]).stat().st_size, _sha256(merged / p["file"])) for p in info["parts"]]
+    before = (merged / "tokenizer.json").read_text()
+    merge_shards(merged, shards)
+    assert (merged / "tokenizer.json").read_text() == before
