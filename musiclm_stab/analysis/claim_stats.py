@@ -219,8 +219,11 @@ def diverged(run: RunMetrics) -> bool:
 
 
 def _count(run: RunMetrics, metric: str) -> int:
+    """The logged counts of ``metric`` summed; for ``overflow_step`` with the overflows of a divergence's
+    ``min_loss_scale`` event, which no metrics row holds."""
     series = run.metric(metric)
-    return int(round(float(series[1].sum()))) if series is not None else 0
+    total = int(round(float(series[1].sum()))) if series is not None else 0
+    return total + (run.final_overflows if metric == "overflow_step" else 0)
 
 
 @dataclass

@@ -104,6 +104,9 @@ class RunMetrics:
     # First step of the kept history at which fp16's loss scale hit its floor (a ``min_loss_scale`` event):
     # the run diverged there and its metrics stop. None: no such event.
     diverged_at: int | None = None
+    # The overflowed updates that event records (``overflow_step``: those since the last metrics row, the
+    # last of them the one that reached the floor); 0 without one. They are in no metrics row.
+    final_overflows: int = 0
     # metric -> steps at which it was logged non-finite (left out of ``series``; the spike rule needs them)
     nonfinite: dict[str, np.ndarray] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -137,12 +140,14 @@ def _as_step(value: Any) -> int | None:
     return int(value) if value >= 0 else None
 
 
-def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback], int | None]:
-    """Metric rows (the final history only, ascending steps), rollback events and the step of the first
-    ``min_loss_scale`` event of that history (None without one) of a metrics.jsonl."""
+def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback], int | None, int]:
+    """Metric rows (the final history only, ascending steps), rollback events, and the step of the first
+    ``min_loss_scale`` event of that history (None without one) with the overflowed updates it records, of a
+    metrics.jsonl."""
     rows: dict[int, dict] = {}  # step -> row; insertion order is ascending step
     rollbacks: list[Rollback] = []
     diverged_at: int | None = None
+    final_overflows = 0
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -166,16 +171,18 @@ def _read_rows(path: Path, notes: list[str]) -> tuple[list[dict], list[Rollback]
                         rollbacks.append(rb)
                 elif row["event"] == "min_loss_scale" and diverged_at is None:
                     diverged_at = step
+                    count = row.get("overflow_step")
+                    final_overflows = int(count) if _is_number(count) and math.isfinite(count) else 0
                 continue
             if diverged_at is not None and step < diverged_at:
-                diverged_at = None  # logging restarted before the event (a resume): that branch was abandoned
+                diverged_at, final_overflows = None, 0  # logging restarted before the event (a resume)
             # A step at or before the last one means logging restarted there (a resume from a
             # checkpoint, or a rollback): the later rows win, and rows of the abandoned branch from
             # that step on are dropped, so the curve shows the history the final model followed.
             while rows and next(reversed(rows)) >= step:
                 rows.popitem()
             rows[step] = row
-    return list(rows.values()), rollbacks, diverged_at
+    return list(rows.values()), rollbacks, diverged_at, final_overflows
 
 
 def _is_number(value: Any) -> bool:
@@ -198,7 +205,7 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
     steps), are in ``skipped_steps``; every metric's non-finite steps are in ``nonfinite``. fp16
     grad-scaler overflows (``overflow_step``) are not marked: they are the scaler's routine calibration,
     not instability. A ``min_loss_scale`` event (fp16's loss scale at its floor: the run diverged) sets
-    ``diverged_at``.
+    ``diverged_at``, and the overflows it records ``final_overflows``.
     """
     path = Path(run_dir)
     if not path.is_dir():
@@ -224,7 +231,7 @@ def read_run(run_dir: str | Path, unit: str = "bits") -> RunMetrics:
     if not metrics_path.is_file():
         plot_warning(f"{metrics_path} is missing: run {run.name!r} has no lines in any figure", run.warnings)
         return run.in_unit(unit)
-    rows, run.rollbacks, run.diverged_at = _read_rows(metrics_path, run.warnings)
+    rows, run.rollbacks, run.diverged_at, run.final_overflows = _read_rows(metrics_path, run.warnings)
     if not rows:
         plot_warning(f"{metrics_path} has no metric rows: run {run.name!r} has no lines in any figure", run.warnings)
         return run.in_unit(unit)

@@ -1,0 +1,114 @@
+"""Failure kinds and spike cascades (analysis/failures.py) on synthetic runs and on committed CPU-study runs;
+the overflows of a divergence's event row are counted (analysis/runs.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from musiclm_stab.analysis.claim_stats import instability
+from musiclm_stab.analysis.failures import cascades, dead_input_step, divergence_step, failure, stalled
+from musiclm_stab.analysis.runs import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_RUNS = REPO / "docs" / "study_cpu" / "runs"
+UNIGRAM = 9.2875  # the CPU study's held-out unigram level (docs/STUDY.md)
+
+
+def write_run(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"train": {"loss_unit": "bits"}}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def rows(n: int = 100, *, pen=None, loss=None, scale=None, overflow=None, eval_cb0=None) -> list[dict]:
+    """One row per step 1..n: a falling loss, a living frontend (features penalty 0.1 -> 0.002), scale 64."""
+    out = []
+    for i in range(n):
+        t = i + 1
+        row = {"step": t, "loss": 80.0 - 15.0 * (1 - math.exp(-t / 20)),
+               "features_pen": 0.1 * math.exp(-t / 25) + 0.002, "loss_scale": 64.0, "overflow_step": 0}
+        for key, series in (("features_pen", pen), ("loss", loss), ("loss_scale", scale),
+                            ("overflow_step", overflow)):
+            if series is not None:
+                row[key] = series[i]
+        if eval_cb0 is not None and t == n:
+            row["eval/acoustic_mlm_loss/cb0"] = eval_cb0
+        out.append(row)
+    return out
+
+
+def test_dead_input_is_a_frontend_rms_that_ends_below_one_percent(tmp_path):
+    """A frontend whose RMS falls below 1% of its first value and ends there is dead from the first step
+    below (flickering back above it in between); one that dips as low and recovers is alive."""
+    pen = 0.1 * np.exp(-np.arange(1, 101) / 4.0)  # RMS below 1% (pen below 1e-4 of it) from step 38
+    pen[50:55] = 0.01  # flickers back up, dies again
+    run = read_run(write_run(tmp_path / "dead", rows(pen=list(pen))))
+    assert dead_input_step(run) == 38
+    assert failure(run).kind == "dead input" and failure(run).step == 38
+    dip = pen.copy()
+    dip[60:] = 0.002  # back to a living frontend's level
+    alive = read_run(write_run(tmp_path / "alive", rows(pen=list(dip))))
+    assert dead_input_step(alive) is None and failure(alive).kind == "none"
+
+
+def test_divergence_step_is_the_floor_event_or_where_the_loss_stays_above_its_start(tmp_path):
+    """Diverged at the floor event's step (its 20 overflows counted as overflow steps), or, without one, at
+    the first step from which the loss stays above its first logged value; a transient excursion above it
+    is not a divergence."""
+    floor = rows(40) + [{"step": 40, "event": "min_loss_scale", "loss_scale": 1e-4, "overflow_step": 20}]
+    run = read_run(write_run(tmp_path / "floor", floor))
+    assert run.final_overflows == 20 and instability(run).overflow_steps == 20
+    assert divergence_step(run) == 40 and failure(run).kind == "diverged"
+    assert [(c.step, c.scale, c.overflows) for c in cascades(run)] == [(40, 0.0, 20)]
+    loss = [80.0 - 0.2 * t for t in range(60)] + [85.0 + t for t in range(40)]  # above 80 from step 61
+    assert divergence_step(read_run(write_run(tmp_path / "up", rows(loss=loss)))) == 61
+    blip = [80.0 - 0.2 * t for t in range(100)]
+    blip[30:33] = [90.0, 95.0, 90.0]
+    transient = read_run(write_run(tmp_path / "blip", rows(loss=blip)))
+    assert divergence_step(transient) is None and failure(transient).kind == "none"
+
+
+def test_stalled_is_a_final_held_out_cb0_within_the_margin_of_the_unigram_level(tmp_path):
+    """Stalled: the final held-out cb0 no more than 0.05 bits below the unigram level; unknown without
+    the level or the evaluation; a dead input takes precedence."""
+    near = read_run(write_run(tmp_path / "near", rows(eval_cb0=UNIGRAM - 0.02)))
+    far = read_run(write_run(tmp_path / "far", rows(eval_cb0=UNIGRAM - 0.4)))
+    assert stalled(near, UNIGRAM) and not stalled(far, UNIGRAM)
+    assert stalled(near, None) is None and stalled(read_run(write_run(tmp_path / "x", rows())), UNIGRAM) is None
+    assert failure(near, UNIGRAM).kind == "stalled" and failure(far, UNIGRAM).kind == "none"
+
+
+def test_routine_scaler_overflows_are_not_cascades_but_a_fall_of_8x_is(tmp_path):
+    """The scaler's clock (doubling after the window, halving at the next overflow: 64, 128, 64, ...) is no
+    cascade; a fall from 64 to 4 within 32 steps is one event however many rows it spans."""
+    routine = [128.0 if t % 33 == 32 else 64.0 for t in range(1, 101)]
+    overflow = [1 if t % 33 == 0 else 0 for t in range(1, 101)]
+    assert cascades(read_run(write_run(tmp_path / "routine", rows(scale=routine, overflow=overflow)))) == []
+    fall = [64.0] * 50 + [16.0, 4.0] + [4.0] * 10 + [8.0] * 38
+    events = cascades(read_run(write_run(tmp_path / "fall", rows(scale=fall))))
+    assert [(c.step, c.scale, c.before) for c in events] == [(52, 4.0, 64.0)]  # 16 is not yet 8x below
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("study_prenorm_clip10_run1_tiny_lr1e-2_s2", "dead input"),
+    ("study_postnorm_deepnorm_clip1_tiny_lr3e-3_s0", "dead input"),
+    ("study_prenorm_clip10_run1_tiny_lr1e-3_s0", "none"),
+])
+def test_committed_cpu_study_runs_read_as_dead_input_or_healthy(name, kind):
+    """On the CPU study's committed runs: a run stalled at the unigram level at lr 1e-2 (and DeepNorm at
+    3e-3) is a dead input, its frontend RMS below 1% of its first value from a step in 120-500; a run that
+    learned is none; clip 10's cascade at step 565 of lr 1e-2 seed 2 (6 overflows, 64 -> 0.5) is found."""
+    run = read_run(CPU_RUNS / name)
+    found = failure(run, UNIGRAM)
+    assert found.kind == kind
+    if kind == "dead input":
+        assert 120 <= found.step <= 500
+    if name.endswith("lr1e-2_s2"):
+        assert any((c.step, c.scale, c.overflows) == (565, 0.5, 6) for c in cascades(run))
