@@ -64,8 +64,10 @@ def _free(path: Path) -> str:
 def as_output_error(e: OSError, path: str | Path, what: str = "write") -> OutputWriteError:
     """``e`` (raised while doing ``what`` to ``path``) as an OutputWriteError with a one-line message.
 
-    EFBIG is named as a file size limit, not as a full disk; ENOTDIR names the file in the way."""
-    path = Path(e.filename) if getattr(e, "filename", None) else Path(path)
+    EFBIG is named as a file size limit, not as a full disk; ENOTDIR names the file in the way. A failed
+    rename (two file names) is named by its destination, what could not be put in place."""
+    named = getattr(e, "filename2", None) or getattr(e, "filename", None)
+    path = Path(named) if named else Path(path)
     reason = (e.strerror or os.strerror(e.errno)) if e.errno else (str(e) or type(e).__name__)
     if e.errno in NO_SPACE:
         reason += f" ({_free(path)})"

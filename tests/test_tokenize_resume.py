@@ -19,6 +19,7 @@ import soundfile as sf
 import torch
 
 from musiclm_stab.data.tokenized import load_tokenized
+from musiclm_stab.output_errors import OutputWriteError
 from musiclm_stab.tokenizer.lock import OutputBusy
 from musiclm_stab.tokenizer.pipeline import tokenize
 from musiclm_stab.tokenizer.store import OutputMismatch
@@ -256,7 +257,7 @@ def test_a_unit_that_raises_in_a_worker_loses_no_finished_unit(corpus, reference
         p.unlink()
     (out / "parts" / "u000000.arrow").mkdir()
     (out / "parts" / "u000000.arrow" / "in_the_way").write_text("x")
-    with pytest.raises(OSError, match="u000000.arrow"):
+    with pytest.raises(OutputWriteError, match=r"cannot put in place \S*u000000\.arrow: Is a directory"):
         tokenize(corpus, out, weights=str(local_weights), workers=2, **ARGS)
     records = {p.stem for p in (out / ".tokenize" / "units").glob("u*.json")}
     written = {p.stem for p in (out / "parts").glob("u*.arrow") if p.is_file()}

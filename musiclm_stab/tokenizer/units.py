@@ -147,6 +147,7 @@ class _Part:
             self.writer.finalize()
             with open(self.tmp, "rb") as f:  # on disk before the rename makes it count
                 os.fsync(f.fileno())
+        with writing(self.out.part_file(self.k), "put in place"):  # e.g. a folder in the way: named as itself
             os.replace(self.tmp, self.out.part_file(self.k))
             fsync_dir(self.out.parts_dir)  # the rename too, before the unit's record makes it count
         return self.out.part_file(self.k).relative_to(self.out.out).as_posix()
