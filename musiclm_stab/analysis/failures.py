@@ -144,18 +144,18 @@ def cascades(run: RunMetrics, bits: int = CASCADE_BITS, window: int = CASCADE_ST
     if series is not None:
         steps, scale = series
         overflow = dict(zip(*(run.metric("overflow_step") or (np.zeros(0), np.zeros(0)))))
-        current: Cascade | None = None
-        for i, (step, s) in enumerate(zip(steps, scale)):
+        previous = None  # the logged step before, when it was in a cascade
+        for step, s in zip(steps, scale):
             earlier = scale[(steps >= step - window) & (steps < step)]
-            top = float(earlier.max()) if len(earlier) else math.nan
-            if len(earlier) and s * 2**bits <= top:
+            if len(earlier) and s * 2**bits <= earlier.max():
                 n = int(overflow.get(step, 0))
-                if current is not None and i > 0 and current_end == steps[i - 1]:
-                    current.scale, current.overflows = min(current.scale, float(s)), current.overflows + n
+                if previous is not None:  # the same event goes on
+                    events[-1].scale, events[-1].overflows = min(events[-1].scale, float(s)), events[-1].overflows + n
                 else:
-                    current = Cascade(int(step), float(s), top, n)
-                    events.append(current)
-                current_end = step
+                    events.append(Cascade(int(step), float(s), float(earlier.max()), n))
+                previous = step
+            else:
+                previous = None
     if run.diverged_at is not None:
         events.append(Cascade(int(run.diverged_at), 0.0, float(series[1][-1]) if series is not None else math.nan,
                               run.final_overflows))
