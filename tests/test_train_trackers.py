@@ -87,7 +87,8 @@ def test_tracker_names_are_checked_and_none_is_allowed(tokenized_dataset, tmp_pa
     assert load_config().train.trackers == ["tensorboard"]
     run = Trainer(tiny_cfg(tokenized_dataset, tmp_path, "quiet", "--train.trackers=[]",
                            "--train.eval_every=0", "--train.max_steps=1")).run()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "tokenizer.json"]
+    assert sorted(p.name for p in run.iterdir()) == [".train.lock", "checkpoints", "config.yaml", "metrics.jsonl",
+                                                     "tokenizer.json"]  # .train.lock: run_dir.RunLock's file
 
 
 def test_mlflow_file_store_is_refused_before_any_work(tokenized_dataset, tmp_path, monkeypatch):

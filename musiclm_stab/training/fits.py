@@ -48,10 +48,12 @@ class MemoryNeed:
     host_copy: int  # the background checkpoint writer's CPU copy of weights and optimizer state
     activations: int  # kept for the backward pass, one micro-batch
 
-    def on(self, device_type: str) -> dict[str, int]:
-        """Bytes needed on the device and on the host ({"device": ..., "host": ...}; one pool on CPU)."""
+    def on(self, device_type: str, local_processes: int = 1) -> dict[str, int]:
+        """Bytes needed on each device and on the host by the ``local_processes`` of one machine
+        ({"device": ..., "host": ...}; one pool on CPU). Each process holds its parameter state and
+        activations; only the main process keeps the checkpoint's host copy."""
         if device_type == "cpu":
-            return {"host": self.state + self.host_copy + self.activations}
+            return {"host": local_processes * (self.state + self.activations) + self.host_copy}
         return {"device": self.state + self.activations, "host": self.host_copy}
 
 
@@ -140,15 +142,15 @@ def available_memory(device) -> dict[str, tuple[int, str]]:
 
 
 def check_memory_fits(cfg: Config, device, local_processes: int = 1) -> MemoryNeed:
-    """ConfigError if the lower bound of ``memory_needed`` (times ``local_processes``, the processes of this
-    machine, for the host) is above what ``available_memory`` finds; returns the need."""
+    """ConfigError if the lower bound of ``memory_needed`` for the ``local_processes`` of this machine is
+    above what ``available_memory`` finds, in any pool; returns the need."""
     need = memory_needed(cfg)
-    needs = need.on(getattr(device, "type", "cpu"))
+    needs = need.on(getattr(device, "type", "cpu"), local_processes)
     for pool, (have, how) in available_memory(device).items():
-        want = needs.get(pool, 0) * (local_processes if pool == "host" else 1)
+        want = needs.get(pool, 0)
         if want > have:
             m = cfg.model
-            per = f" x {local_processes} processes" if pool == "host" and local_processes > 1 else ""
+            per = f" for {local_processes} processes" if pool == "host" and local_processes > 1 else ""
             raise ConfigError(
                 f"the model does not fit in memory: model.size={m.size} with num_layers={m.num_layers}, "
                 f"width={m.width}, ffn_dim={m.ffn_dim}, conv_dim={m.conv_dim}, pos_conv_kernel={m.pos_conv_kernel} "

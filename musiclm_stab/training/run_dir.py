@@ -117,7 +117,8 @@ class RunLock:
             del _HELD[self.key]
 
     def __del__(self):  # a Trainer dropped without running (tests): its lock goes with it
-        self.release()
+        if getattr(self, "fd", None) is not None:
+            self.release()
 
 
 def on_main(accelerator, action, *args):
@@ -271,6 +272,8 @@ def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1, res
     part = run_dir / f".config.yaml.{os.getpid()}.part"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*run_dir.glob(".config.yaml.*.part"), *run_dir.glob(".tokenizer.json.*.part")]:
+            stale.unlink()  # left by a trainer killed while writing them (this one holds the run's lock)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         save_config(cfg, part, comment=f"launched with {global_batch(cfg, num_processes)}")
         fsync_file(part)
