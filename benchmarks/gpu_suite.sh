@@ -2,7 +2,7 @@
 # Issue 46's GPU measurements in one run on one GPU, in priority order, within a deadline; every table goes to
 # files in $OUT as its section ends, so a run stopped at the deadline keeps what it measured.
 #
-#   bash benchmarks/gpu_suite.sh            # on the GPU machine, from the repository root (about 7 min on an H200)
+#   bash benchmarks/gpu_suite.sh            # on the GPU machine, from the repository root (at most the deadline)
 #   bash benchmarks/gpu_suite.sh --smoke    # CPU, tiny sizes, a step or two each: that the suite runs (the tests)
 #
 # Sections (GPU_SUITE_SECTIONS, default "step peer compile loop runner", run in the order given):
