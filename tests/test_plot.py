@@ -159,7 +159,7 @@ def test_figures_axes_labels_scales_and_k_ticks(study_runs):
     assert list(figs) == ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0"]
     ylabels = {name: fig.axes[0].get_ylabel() for name, fig in figs.items()}
     assert ylabels == {
-        "loss": "Loss Scale (bits)",
+        "loss": "Training Loss (bits)",
         "grad_norm": "Gradient Norm",
         "musical_mlm_loss": "Musical MLM Loss (MSE / ln 2)",
         "acoustic_mlm_loss_cb0": "Acoustic MLM Loss on Codebook-0 (bits)",
@@ -623,8 +623,8 @@ def test_one_outlier_is_marked_not_scaling_the_axis(tmp_path):
 
 
 def test_loss_scale_and_evaluation_figures_say_what_they_draw(tmp_path):
-    """--extra with fp16 rows draws loss_scale.png on a log axis; the held-out curves are drawn as evaluated
-    (no window means, no EMA) and their band says so."""
+    """--extra with fp16 rows draws loss_scale_log.png on a log axis (loss_scale.png is the seed's linear
+    one); the held-out curves are drawn as evaluated (no window means, no EMA) and their band says so."""
     dirs = []
     for seed in range(2):
         rows = synthetic_rows(1000, 10, seed=seed)
@@ -634,7 +634,8 @@ def test_loss_scale_and_evaluation_figures_say_what_they_draw(tmp_path):
                 r["eval/acoustic_mlm_loss/cb0"] = 9.0 - r["step"] / 1000
         dirs.append(write_run(tmp_path, f"s{seed}", make_config(**{"train.seed": seed}), rows))
     figs = make_figures(dirs, bands=True, extra=True, window=5, smooth=0.5)
-    assert figs["loss_scale"].axes[0].get_yscale() == "log"
+    assert figs["loss_scale_log"].axes[0].get_yscale() == "log"
+    assert figs["loss_scale"].axes[0].get_yscale() == "linear"
     eval_ax = figs["eval"].axes[0]  # one panel: the runs logged only the codebook-0 held-out loss
     assert eval_ax.get_ylabel().startswith("Held-out Acoustic MLM Loss on Codebook-0")
     assert [t for t in legend_texts(eval_ax) if t.startswith("Band")] == [BAND_LABEL.format(2, "")]
@@ -675,7 +676,9 @@ def test_lr_figure_lines_bands_unigram_and_diverged_marks(tmp_path):
     assert sorted(marks) == sorted([f"diverged:{label}", f"diverged:{other}"])
     (x1, (y1,)), (x2, (y2,)) = marks[f"diverged:{label}"], marks[f"diverged:{other}"]
     assert x1 == x2 == [0.1] and y1 != y2 and min(y1, y2) > 9.9 and max(y1, y2) < ax.get_ylim()[1]
-    assert [t.get_text() for t in ax.texts] == ["2"]  # both seeds of the second configuration diverged at 0.1
+    # "1/2": the first configuration's seed at 0.1 ended at 9.9, above the unigram level: stalled (a star);
+    # "2": both seeds of the second configuration diverged at 0.1
+    assert [t.get_text() for t in ax.texts] == ["1/2", "2"]
     (legend,) = fig.legends
     texts = [t.get_text() for t in legend.get_texts()]
     assert "Unigram level (held-out): 9.50 bits" in texts and DIVERGED_LABEL in texts and ax.get_xscale() == "log"

@@ -1,15 +1,26 @@
-"""The stability study's four figures, drawn from run directories.
+"""The stability study's figures, drawn from run directories.
 
-    musiclm-stab plot runs/pre_clip10 runs/pre_clip1 runs/deepnorm runs/relax --out figures/
+    musiclm-stab plot runs/pre_clip10 runs/pre_clip1 runs/deepnorm runs/relax --out figures/ [--unigram 9.29]
 
 Reads each run's ``config.yaml`` (for the legend text) and ``metrics.jsonl`` (one row per logged
 step) and draws, one line per run:
 
-  loss.png                   training loss          y "Loss Scale (bits)" (the study's wording for the
-                                                    loss axis; not the fp16 ``loss_scale`` metric)
+  loss_scale.png             fp16 loss scale        y "Loss Scale", from 0, linear (fp16 runs only)
+  loss.png                   training loss          y "Training Loss (bits)"
   grad_norm.png              grad norm before clip  y "Gradient Norm"
   musical_mlm_loss.png       CQT regression loss    y "Musical MLM Loss (MSE / ln 2)", log-scaled steps
   acoustic_mlm_loss_cb0.png  codebook-0 CE          y "Acoustic MLM Loss on Codebook-0 (bits)", log-scaled steps
+
+The study's first seed figure is fairseq's fp16 loss scale as fairseq logs it, not a training loss: its y
+axis "Loss Scale" runs 0-2 and its lines end near 0.05, which no training loss of the model reaches
+(codebook 0 alone stays above 5.6 bits), while fairseq's scale is a power of two that halves at every
+overflow (2^-4 = 0.0625, 2^-5 = 0.031: "0.03-0.07"). It is the scale itself, not divided by anything:
+fairseq logs ``loss_scale`` raw (the window's last value, rounded to 4 decimals), and the seed's start at
+1.5-2 could not be a scale divided by fairseq's initial 128, since MERT-330M's fp16 musical MSE caps the scale
+at 32 (docs/FIDELITY.md, "musical loss"). So loss_scale.png draws the logged scale on the seed's axes:
+linear, from 0, the seed's 0-2 with its 0.25 ticks when every curve fits, else widened to the curves (our
+runs' scales live far above 2; ``--extra``'s loss_scale_log.png shows them log-scaled); with ``--window``,
+each window's last value, as fairseq logs it. The training loss has a figure of its own, under its own name.
 
 Losses are drawn in bits by default, the unit of the study's figures (fairseq logs every loss divided by
 ln 2: the codebook-0 CE starts near log2(1024) = 10), or in nats (``--unit nats``); the axis label names
@@ -19,7 +30,11 @@ information quantity: "bits" there means divided by ln 2 as fairseq logs it, hen
 
 in the study's style: x "Training Step" labelled in K, legend upper right, colours blue / orange /
 green / pink with markers o ^ v D. Skipped (non-finite) steps are marked with small x's on the x axis
-and loss-spike-guard rollbacks with dashed vertical lines. Plots read run directories only, never the
+and loss-spike-guard rollbacks with dashed vertical lines. A run that failed (analysis/failures.py:
+diverged, dead input, or, given the held-out unigram level ``--unigram``, stalled) is never drawn as a
+healthy one: its line is dashed and faded from the step it failed at (a stalled one throughout), a mark of
+its kind (x diverged, square dead input, star stalled) sits at that step (a stall's at its end), and its
+legend entry says so, e.g. "... (dead input at 250)". Plots read run directories only, never the
 training loop; problems with the files are warnings (`PlotWarning`), not crashes.
 
 ``--window N``: window means, as fairseq logs a run (the mean over each N steps; the study's figures are
@@ -27,9 +42,12 @@ such logs). ``--smooth S``: TensorBoard's debiased EMA (after the window means, 
 faint behind. ``--bands``: runs with the same legend text are the seeds of one configuration (the seed is
 not part of the legend): one line, the mean over seeds of each seed's curve, in a band from the lowest to
 the highest seed's (min-max, not +-std: with 3 seeds the band shows every seed), the raw mean faint
-behind. y limits are robust: they span the drawn curves (lines and bands) except an excursion far beyond
-their bulk (``curves.robust_limits``), and raw values beyond them are marked with a triangle at the edge
-(so one point of 10^4 does not flatten every curve).
+behind; a configuration's failed seeds are a line of their own (per kind), out of its healthy line's mean.
+y limits are robust: they span the drawn curves (lines and bands) except an excursion far beyond their
+bulk (``curves.robust_limits``), and raw values beyond them are marked with a triangle at the edge (so
+one point of 10^4 does not flatten every curve); every curve's start (its first 5% of steps; with
+``--window``, its first logged row is a point of its own) is always on the axis, and the bulk an excursion
+is measured against reaches the starts, so a spike to the height of the start (the seed's DeepNorm) is drawn.
 ``--extra`` adds:
 
   acoustic_mlm_loss_codebooks.png  every codebook's CE, one panel each (2 x 4), log-scaled steps
@@ -38,10 +56,11 @@ their bulk (``curves.robust_limits``), and raw values beyond them are marked wit
   max_attn_logit_layers.png        the same, one panel per layer
   eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every), as
                                    evaluated: neither smoothed nor averaged over windows
-  loss_scale.png                   fp16's loss scale (log-scaled)
+  loss_scale_log.png               fp16's loss scale, log-scaled
 
 This module lays out the figures and panels; the lines come from analysis/curves.py (runs grouped by
-legend text, EMA, seed bands) and the look from analysis/style.py (colours, markers, the step axis).
+legend text, failed runs apart, EMA, seed bands) and the look from analysis/style.py (colours, markers,
+the step axis, failure marks).
 """
 
 from __future__ import annotations
@@ -60,26 +79,33 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FormatStrFormatter, MultipleLocator
 
 from musiclm_stab.analysis.curves import (
     MAX_LOGIT,
     RunGroup,
     SeedCurve,
+    curve_start,
     group_runs,
     layer_count,
     resolve_labels,
     robust_limits,
+    run_failures,
     seed_curve,
+    split_by_failure,
     with_derived,
 )
 from musiclm_stab.analysis.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
 from musiclm_stab.analysis.style import (
     BAND_ALPHA,
     COLOURS,
+    FAILED_ALPHA,
+    FAILED_LINESTYLE,
     FIGSIZE,
     MARKERS,
     PNG_DPI,
     RAW_ALPHA,
+    failure_mark_style,
     marker_indices,
     style_x_axis,
 )
@@ -91,6 +117,14 @@ SKIPPED_LABEL = "Skipped step (non-finite)"
 ROLLBACK_LABEL = "Rollback (loss-spike guard)"
 OUTSIDE_LABEL = "Beyond the axis (marked at its edge)"
 BAND_LABEL = "Band: min-max over {} seeds{}"
+# The legend's entry for each kind of failure mark (analysis/failures.py); the run's own entry says where.
+FAILURE_LABELS = {
+    "diverged": "Diverged (fp16 loss scale at its floor, or loss above its start) from the mark",
+    "dead input": "Dead input (frontend output below 1% of its first RMS) from the mark",
+    "stalled": "Stalled at the held-out unigram level (mark: its end)",
+}
+# The seed's first figure: fairseq's fp16 loss scale on a linear axis from 0 to 2, ticked every 0.25.
+SEED_LOSS_SCALE_RANGE = (0.0, 2.0, 0.25)
 
 CODEBOOK = re.compile(r"^acoustic_mlm_loss/cb(\d+)$")
 
@@ -102,6 +136,10 @@ class FigureSpec:
     ylabel: str
     log_x: bool  # default x scale (the study draws the MLM losses against log-scaled steps)
     log_y: bool = False  # log-scaled values (the extra gradient-norm figure: spikes of 1e4 beside norms of 1)
+    reduce: str = "mean"  # what --window keeps of each window: its mean, or its "last" value (the loss scale)
+    optional: bool = False  # drawn only when some run logged it, and silently left out otherwise (fp16 only)
+    # (bottom, top, tick step): the seed's y axis, kept while every curve fits in it, else widened to them
+    seed_range: tuple[float, float, float] | None = None
 
 
 def figure_specs(codebooks: Iterable[int] = (0,), unit: str = "bits") -> list[FigureSpec]:
@@ -110,7 +148,10 @@ def figure_specs(codebooks: Iterable[int] = (0,), unit: str = "bits") -> list[Fi
         raise ValueError(f"loss unit {unit!r} is not valid; choose one of: {', '.join(LOSS_UNITS)}")
     mse = "MSE / ln 2" if unit == "bits" else "MSE"
     specs = [
-        FigureSpec("loss", "loss", f"Loss Scale ({unit})", False),
+        # The seed's "Loss Scale" figure is fairseq's fp16 loss scale (module docstring), not a loss.
+        FigureSpec("loss_scale", "loss_scale", "Loss Scale", False, reduce="last", optional=True,
+                   seed_range=SEED_LOSS_SCALE_RANGE),
+        FigureSpec("loss", "loss", f"Training Loss ({unit})", False),
         FigureSpec("grad_norm", "grad_norm", "Gradient Norm", False),
         FigureSpec("musical_mlm_loss", "musical_mlm_loss", f"Musical MLM Loss ({mse})", True),
     ]
@@ -139,8 +180,9 @@ def make_figures(
     bands: bool = False,
     extra: bool = False,
     window: int = 1,
+    unigram_eval_cb0: float | None = None,
 ) -> dict[str, Figure]:
-    """The study's figures as matplotlib Figures, keyed by file stem ("loss", "grad_norm", ...).
+    """The study's figures as matplotlib Figures, keyed by file stem ("loss_scale", "loss", ...).
 
     One line per run, run i always in COLOURS[i] / MARKERS[i % 4] in every figure. ``log_x`` None
     keeps each figure's default (log steps for the MLM losses); True/False forces all. Losses in
@@ -152,6 +194,10 @@ def make_figures(
     mean of the raw values faint behind; ``labels`` then name the runs, and runs with one label form a
     group. ``extra``: also the figures of EXTRA_FIGURES (every codebook, attention logits per layer,
     held-out curves), drawn when some run logged their metrics.
+
+    Failed runs (``analysis/failures.failure``: diverged, dead input; stalled too when
+    ``unigram_eval_cb0``, the held-out unigram level of codebook 0 in bits, is given) are drawn as failed
+    (module docstring); with ``bands``, a configuration's failed seeds form a line of their own per kind.
     """
     specs = figure_specs(codebooks, unit)  # checks the unit before any run is read
     runs = [r.in_unit(unit) if isinstance(r, RunMetrics) else read_run(r, unit) for r in runs]
@@ -166,6 +212,7 @@ def make_figures(
         groups = group_runs(runs, labels)
     else:
         groups = [RunGroup(text, [run]) for run, text in zip(runs, resolve_labels(runs, labels))]
+    groups = split_by_failure(groups, run_failures(runs, unigram_eval_cb0))
 
     ends = {run.name: run.last_step for run in runs if run.last_step is not None}
     if len(set(ends.values())) > 1:
@@ -220,8 +267,9 @@ def extra_figures(runs: Sequence[RunMetrics], unit: str) -> dict[str, tuple[list
              for i in range(layer_count(runs))],
             "Largest attention logit |q.k|/sqrt(d) per layer",
         ),
-        "loss_scale": (
-            [FigureSpec("loss_scale", "loss_scale", "fp16 Loss Scale (log scale)", False, log_y=True)],
+        "loss_scale_log": (
+            [FigureSpec("loss_scale_log", "loss_scale", "fp16 Loss Scale (log scale)", False, log_y=True,
+                        reduce="last")],
             "fp16 loss scale (fairseq: halved on an overflow, doubled after a clean window)",
         ),
         "eval": (
@@ -249,7 +297,7 @@ def _figure(
     drawable = []
     for spec in panels:
         with_data = [i for i, g in enumerate(groups) if any(r.metric(spec.metric) is not None for r in g.runs)]
-        if warn_missing:
+        if warn_missing and (with_data or not spec.optional):
             for group in groups:
                 for run in group.runs:
                     if run.metric(spec.metric) is None and run.last_step is not None:
@@ -257,7 +305,7 @@ def _figure(
         if with_data:
             drawable.append((spec, with_data))
     if not drawable:
-        if warn_missing:
+        if warn_missing and not all(spec.optional for spec in panels):
             plot_warning(f"no run has {panels[0].metric!r} values: figure {panels[0].name} not drawn")
         return None
     n = len(drawable)
@@ -298,18 +346,19 @@ def _draw_panel(
     max_step = 0.0
     curves: dict[int, SeedCurve] = {}
     for i in with_data:
-        curves[i] = curve = seed_curve(groups[i].runs, spec.metric, smooth, window)
-        marks = [curve.steps[-1]]
+        curves[i] = curve = seed_curve(groups[i].runs, spec.metric, smooth, window, spec.reduce)
+        marks = [curve.steps[-1], *groups[i].fail_steps]
         for run in groups[i].runs:
             marks += [*run.skipped_steps, *(rb.step for rb in run.rollbacks)]
         max_step = max(max_step, float(max(marks)))
     handles: list = []
     any_skipped = any_rollback = False
     seeds: set[int] = set()
-    lines = {}
+    kinds: list[str] = []  # the failure kinds drawn, in legend order
+    lines: list[tuple[Line2D, int]] = []  # (line, slot): markers spread once the x axis is set
     for i in with_data:
         group, curve = groups[i], curves[i]
-        colour, marker = COLOURS[i % len(COLOURS)], MARKERS[i % len(MARKERS)]
+        colour, marker = COLOURS[group.slot % len(COLOURS)], MARKERS[group.slot % len(MARKERS)]
         if smooth > 0 or window > 1:
             ax.plot(curve.steps, curve.raw, color=colour, alpha=RAW_ALPHA, linewidth=0.8, zorder=1,
                     label="_nolegend_", gid=f"raw:{group.name}")
@@ -317,10 +366,11 @@ def _draw_panel(
             seeds.add(len(group.runs))
             ax.fill_between(curve.steps, curve.lo, curve.hi, color=colour, alpha=BAND_ALPHA, linewidth=0,
                             zorder=0.5, label="_nolegend_", gid=f"band:{group.name}")
-        (line,) = ax.plot(curve.steps, curve.line, color=colour, marker=marker, markersize=4, linewidth=1.2,
-                          zorder=2, label=group.label, gid=f"run:{group.name}")
-        lines[i] = line
-        handles.append(line)
+        drawn, handle = _draw_line(ax, group, curve, colour, marker)
+        lines += [(line, group.slot) for line in drawn]
+        handles.append(handle)
+        if group.kind != "none" and group.kind not in kinds:
+            kinds.append(group.kind)
         for run in group.runs:
             if len(run.skipped_steps):
                 any_skipped = True
@@ -333,14 +383,17 @@ def _draw_panel(
                 ax.axvline(rb.step, color=colour, linestyle="--", linewidth=1.0, alpha=0.8, zorder=1.5,
                            label="_nolegend_", gid=f"rollback:{run.name}")
     style_x_axis(ax, log_x, max_step)  # sets the x limits the marker positions are spread over
-    for i, line in lines.items():
-        line.set_markevery(marker_indices(curves[i].steps, ax, offset=(i % 4) / 4))
-    outside = _robust_y(ax, spec, [curves[i] for i in with_data], [COLOURS[i % len(COLOURS)] for i in with_data])
+    for line, slot in lines:
+        line.set_markevery(marker_indices(np.asarray(line.get_xdata()), ax, offset=(slot % 4) / 4))
+    outside = _robust_y(ax, spec, [curves[i] for i in with_data],
+                        [COLOURS[groups[i].slot % len(COLOURS)] for i in with_data])
     # One legend entry for each kind of mark, in neutral grey (the colour says which run).
+    for kind in kinds:
+        handles.append(Line2D([], [], label=FAILURE_LABELS[kind], **failure_mark_style(kind, "0.35")))
     if seeds:
         counts = f"{min(seeds)}" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)}"
-        how = ", ".join(([f"means over {window} steps"] if window > 1 else [])
-                        + ([f"EMA {smooth:g}"] if smooth > 0 else []))
+        per_window = f"last of every {window} steps" if spec.reduce == "last" else f"means over {window} steps"
+        how = ", ".join(([per_window] if window > 1 else []) + ([f"EMA {smooth:g}"] if smooth > 0 else []))
         handles.append(Patch(color="0.35", alpha=BAND_ALPHA * 1.5,
                              label=BAND_LABEL.format(counts, f" ({how})" if how else "")))
     if outside:
@@ -356,16 +409,56 @@ def _draw_panel(
     return handles
 
 
+def _draw_line(ax, group: RunGroup, curve: SeedCurve, colour, marker: str) -> tuple[list[Line2D], Line2D]:
+    """``group``'s line (gid ``run:<name>``; returns the lines drawn and the legend handle). A failed
+    group's line is solid up to the step it failed at and dashed and faded after it (``failed:<name>``),
+    all of it for a stall or a failure before its first point, with a mark of its kind at each run's step
+    (``failure:<kind>:<name>``; a stall's at the line's end), so it is never taken for a healthy one."""
+    steps, y = curve.steps, curve.line
+    solid = {"color": colour, "marker": marker, "markersize": 4, "linewidth": 1.2, "zorder": 2}
+    failed = {**solid, "linestyle": FAILED_LINESTYLE, "alpha": FAILED_ALPHA}
+    if group.kind == "none":
+        (line,) = ax.plot(steps, y, label=group.legend, gid=f"run:{group.name}", **solid)
+        return [line], line
+    start = group.fail_from
+    cut = 0 if start is None else int(np.searchsorted(steps, start, side="right"))
+    if cut == 0:
+        (line,) = ax.plot(steps, y, label=group.legend, gid=f"run:{group.name}", **failed)
+        drawn = [line]
+    else:
+        (line,) = ax.plot(steps[:cut], y[:cut], label=group.legend, gid=f"run:{group.name}", **solid)
+        drawn = [line]
+        if cut < len(steps):  # from the last healthy point on, so the line does not break
+            (after,) = ax.plot(steps[cut - 1:], y[cut - 1:], label="_nolegend_", gid=f"failed:{group.name}",
+                               **failed)
+            drawn.append(after)
+    at = np.asarray(group.fail_steps or [steps[-1]], dtype=np.float64)
+    ax.plot(at, np.interp(at, steps, y), zorder=4, label="_nolegend_", gid=f"failure:{group.kind}:{group.name}",
+            **failure_mark_style(group.kind, colour))
+    return drawn, Line2D([], [], label=group.legend, **failed)
+
+
 def _robust_y(ax, spec: FigureSpec, curves: list[SeedCurve], colours: list) -> bool:
-    """Set ``ax``'s y limits from the drawn curves (``robust_limits``) and mark the raw points beyond them
-    with a triangle at the edge they cross; returns whether any point was marked."""
+    """Set ``ax``'s y limits from the drawn curves (``robust_limits``, every curve's start kept on the
+    axis; a figure with a ``seed_range`` keeps the seed's axis while the curves fit in it) and mark the raw
+    points beyond them with a triangle at the edge they cross; returns whether any point was marked."""
     if spec.log_y:
         ax.set_yscale("log")
     drawn = np.concatenate([np.concatenate([c.line, c.lo, c.hi]) for c in curves])
-    limits = robust_limits(drawn, log=spec.log_y)
+    starts = np.concatenate([np.concatenate([c.line[:n], c.lo[:n], c.hi[:n]])
+                             for c in curves if (n := curve_start(c.steps))] or [np.zeros(0)])
+    limits = robust_limits(drawn, log=spec.log_y, keep=starts)
     if limits is None:
         return False
     lo, hi = limits
+    if spec.seed_range is not None:
+        seed_lo, seed_hi, tick = spec.seed_range
+        finite = drawn[np.isfinite(drawn)]
+        lo = seed_lo if finite.min() >= seed_lo else lo
+        hi = seed_hi if finite.max() <= seed_hi else max(hi, seed_hi)
+        if (lo, hi) == (seed_lo, seed_hi):  # the seed's axis: 0.00, 0.25, ... 2.00
+            ax.yaxis.set_major_locator(MultipleLocator(tick))
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))
     ax.set_ylim(lo, hi)
     marked = False
     for curve, colour in zip(curves, colours):
@@ -392,11 +485,12 @@ def plot_runs(
     bands: bool = False,
     extra: bool = False,
     window: int = 1,
+    unigram_eval_cb0: float | None = None,
 ) -> list[Path]:
     """Draw the study's figures for ``runs`` into ``out_dir``; returns the written files.
 
-    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands``, ``extra`` and
-    ``window``: see make_figures.
+    Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands``, ``extra``,
+    ``window`` and ``unigram_eval_cb0`` (stalled runs): see make_figures.
     """
     formats = [f.lower().lstrip(".") for f in formats]
     supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
@@ -404,7 +498,7 @@ def plot_runs(
         if f not in supported:
             raise ValueError(f"unknown figure format {f!r}; choose from: {', '.join(sorted(supported))}")
     figures = make_figures(runs, labels=labels, smooth=smooth, log_x=log_x, codebooks=codebooks, unit=unit,
-                           bands=bands, extra=extra, window=window)
+                           bands=bands, extra=extra, window=window, unigram_eval_cb0=unigram_eval_cb0)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -475,6 +569,14 @@ def _parser() -> argparse.ArgumentParser:
         help="also every codebook's loss, the per-layer max attention logit and the held-out curves",
     )
     p.add_argument(
+        "--unigram",
+        type=float,
+        default=None,
+        metavar="BITS",
+        help="held-out unigram level of codebook 0 (bits; the study prints it): runs whose final held-out "
+        "codebook-0 loss stays within 0.05 bits of it are drawn as stalled",
+    )
+    p.add_argument(
         "--format",
         nargs="+",
         default=["png", "pdf"],
@@ -502,6 +604,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                 bands=args.bands,
                 extra=args.extra,
                 window=args.window,
+                unigram_eval_cb0=args.unigram,
             )
         except (FileNotFoundError, ValueError) as e:
             _print_warnings(caught)

@@ -1,5 +1,6 @@
 """The study's look, shared by every figure of the project: colours and markers in legend order, sizes,
-and the training-step axis ("0K ... 100K", linear or log-scaled) with sparse markers along it."""
+the training-step axis ("0K ... 100K", linear or log-scaled) with sparse markers along it, and how a failed
+run (analysis/failures.py) is drawn."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ RAW_ALPHA = 0.25  # the unsmoothed line behind a smoothed one
 FIGSIZE = (8.0, 5.0)
 PNG_DPI = 150
 BAND_ALPHA = 0.2  # the seed band behind a configuration's line
+
+# A failed run (analysis/failures.py: diverged, dead input, stalled) is never drawn as a healthy one: its line
+# is dashed and faded from the step it failed at (a stalled run, which never learned, from its start), and a
+# mark of its kind sits at that step (a stalled run's at its end). The lr figure marks its points the same way.
+FAILURE_MARKERS = {"diverged": "x", "dead input": "s", "stalled": "*"}
+FAILURE_SIZES = {"diverged": 8, "dead input": 9, "stalled": 12}
+FAILED_ALPHA = 0.5
+FAILED_LINESTYLE = "--"
+
+
+def failure_mark_style(kind: str, colour) -> dict:
+    """matplotlib keywords of the mark of a failure of ``kind`` in ``colour`` (for ``ax.plot``): hollow, so
+    the point or line it marks shows through."""
+    return {"marker": FAILURE_MARKERS[kind], "markersize": FAILURE_SIZES[kind], "markeredgewidth": 1.6,
+            "markeredgecolor": colour, "markerfacecolor": "none", "color": colour, "linestyle": "none"}
 
 
 def _strip(number: float, decimals: int) -> str:
