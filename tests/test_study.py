@@ -20,6 +20,7 @@ from musiclm_stab.analysis.plot import run_label
 from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.data.codes_file import read_codes
 from musiclm_stab.data.tokenized import codes_sha256
+from musiclm_stab.experiments.launch import same_config
 from musiclm_stab.experiments.study import carry_study, cli_main, probed_already, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
@@ -440,8 +441,6 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
     the carried runs must be the whole plan: on a clean clone this fails if a carried run was not committed."""
     import re
 
-    import yaml
-
     from musiclm_stab.analysis.runs import read_run
 
     carried = REPO / "docs" / "study_cpu" / "runs"
@@ -454,8 +453,7 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
         timed = json.loads((d / "study_time.json").read_text())  # the study's measured cost sums these
         assert timed["wall_s"] > 0 and timed["jobs"] in (1, 2) and timed["threads_per_run"] == 1, d
         cfg = planned[d.name]
-        assert yaml.safe_load((d / "config.yaml").read_text()) == yaml.safe_load(
-            yaml.safe_dump(cfg.to_dict(), sort_keys=False)), d
+        assert same_config(d, cfg), d  # its config.yaml, settings added since read back as the run had them
         run = read_run(d)
         assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
         # the final study probes seed 0 of the figure lr and of the best cell, and checkpoints do not travel:
@@ -516,8 +514,7 @@ def test_committed_gpu_study_is_the_gpu_plan_at_400_steps_and_quoted_as_it_is():
     dirs = sorted(d for d in (docs / "runs").iterdir() if d.is_dir())
     assert sorted(d.name for d in dirs) == sorted(planned)
     for d in dirs:
-        assert yaml.safe_load((d / "config.yaml").read_text()) == yaml.safe_load(
-            yaml.safe_dump(planned[d.name].to_dict(), sort_keys=False)), d
+        assert same_config(d, planned[d.name]), d
         run = read_run(d)
         assert run.last_step == 400 or run.diverged_at is not None, d
     claims = json.loads((docs / "figures" / "claims.json").read_text())

@@ -2,7 +2,8 @@
 stable learning rate, and whether the study learns at all (analysis/claims.py puts them in claims.md).
 
 Per configuration (role) and learning rate, over the seeds: the final held-out codebook-0 CE (mean, min,
-max, n of the runs that did not diverge), how many seeds diverged, overflow steps, skipped steps and
+max, n of the runs that did not diverge), how many seeds diverged, the overflow steps of each run (its
+smallest and largest count: fairseq's scaler overflows about once per window by design), skipped steps and
 loss-spike events (summed over the seeds), and the largest attention logit (claim_stats.py defines each).
 
 - L(lr) = the mean over seeds of the final held-out codebook-0 CE, a diverged seed counting as the cap;
@@ -82,6 +83,8 @@ def grid_rows(runs: Sequence[RunStats]) -> list[dict]:
                 "L": _mean(capped_values(seeds, cap)),
                 "diverged": sum(r.diverged for r in seeds),
                 "overflow_steps": sum(r.instability.overflow_steps for r in seeds),
+                "overflow_steps_per_run": [min(r.instability.overflow_steps for r in seeds),
+                                           max(r.instability.overflow_steps for r in seeds)],
                 "skipped_steps": sum(r.instability.skipped_steps for r in seeds),
                 "spike_events": sum(len(r.spikes) for r in seeds),
                 "max_attn_logit": max(logits) if logits else math.nan,
@@ -182,18 +185,23 @@ def _num(x: float | None, fmt: str = "{:.3f}") -> str:
     return fmt.format(x)
 
 
+def _range(low_high: list[int]) -> str:
+    low, high = low_high
+    return str(low) if low == high else f"{low}-{high}"
+
+
 def grid_markdown(summary: dict) -> list[str]:
     """The grid, sensitivity, learns and probe tables of ``summarise_grid``'s result, as markdown lines."""
     lines = ["### Learning-rate grid", "",
              "| configuration | lr | precision | final held-out cb0 (bits): mean [min, max] (n) | diverged "
-             "| overflow steps | skipped steps | loss spike events | max attention logit |",
+             "| overflow steps per run | skipped steps (all seeds) | loss spike events (all seeds) | max attention logit |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["grid"]:
         f = row["final_eval_cb0"]
         final = f"{_num(f['mean'])} [{_num(f['min'])}, {_num(f['max'])}] ({f['n']})" if f["n"] else "n/a (0)"
         lines.append(f"| {ROLE_TITLES.get(row['role'], row['role'])} | {lr_text(row['lr'])} | "
                      f"{', '.join(row['precision'])} | {final} | {row['diverged']} of {len(row['seeds'])} | "
-                     f"{row['overflow_steps']} | {row['skipped_steps']} | {row['spike_events']} | "
+                     f"{_range(row['overflow_steps_per_run'])} | {row['skipped_steps']} | {row['spike_events']} | "
                      f"{_num(row['max_attn_logit'], '{:.3g}')} |")
     lines += ["", "| configuration | LR sensitivity S (bits) [95% bootstrap] | cap (bits) "
               "| largest stable lr |", "|---|---|---|---|"]

@@ -16,9 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
-from musiclm_stab.config import Config
+from musiclm_stab.config import Config, ConfigError, config_from_run
 
 # The recipes and the training entry point ship inside the package (musiclm_stab/recipes: package data), so
 # the jobs find them in an installed wheel too. A checkout has one more name for that folder, the symlink
@@ -151,6 +149,16 @@ def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (),
     return [*cmd, *overrides, *(["--resume"] if resume else [])]
 
 
+def same_config(run_dir: Path, cfg: Config) -> bool:
+    """Whether the run in ``run_dir`` has ``cfg``: its config.yaml read back as the run had it (settings added
+    since the run was made take the value that means what the run did: ``config_from_run``), compared
+    setting for setting. An unreadable config.yaml is another config."""
+    try:
+        return config_from_run(run_dir).to_dict() == cfg.to_dict()
+    except ConfigError:
+        return False
+
+
 def run_state(cfg: Config) -> str:
     """What ``cfg.run_dir`` holds: ``new`` (nothing), ``done`` (this config, trained to its last step, or
     ended by fp16's loss-scale floor: diverged, a result), ``partial`` (this config, interrupted: resume it) or
@@ -160,7 +168,7 @@ def run_state(cfg: Config) -> str:
     saved = cfg.run_dir / "config.yaml"
     if not saved.is_file():
         return "new"
-    if yaml.safe_load(saved.read_text()) != yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+    if not same_config(cfg.run_dir, cfg):
         return "other"
     if not (cfg.run_dir / "metrics.jsonl").is_file():
         return "partial"
