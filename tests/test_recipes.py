@@ -21,6 +21,8 @@ STUDY = {
     "study_prenorm_clip1_run2": ("Pre-Norm | Gradient Clip=1 | Run 2", "pre", "math", 1.0, 2),
     "study_postnorm_deepnorm_clip1": ("Post-Norm | DeepNorm | Gradient Clip=1", "deepnorm", "math", 1.0, 1),
     "study_prenorm_attnrelax_clip1": ("Pre-Norm | Attn. Relax | Gradient Clip=1", "pre", "relax", 1.0, 1),
+    # the instability study's positive control (docs/STUDY.md)
+    "study_postnorm_clip1": ("Post-Norm | Gradient Clip=1 | Run 1", "post", "math", 1.0, 1),
 }
 
 
@@ -35,9 +37,10 @@ def _twin_command(path: Path) -> list[str]:
 
 
 def test_study_recipe_set_is_complete():
-    """recipes/ holds exactly the four study runs, one YAML each, with four distinct legends."""
+    """recipes/ holds exactly the study's runs, one YAML each with a legend of its own: the seed figures' four
+    and the instability study's plain Post-Norm control."""
     assert {p.stem for p in RECIPES.glob("study_*.yaml")} == set(STUDY)
-    assert len({v[0] for v in STUDY.values()}) == 4
+    assert len({v[0] for v in STUDY.values()}) == len(STUDY) == 5
 
 
 @pytest.mark.parametrize("stem", STUDY)

@@ -397,7 +397,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     probe_wall = time.time() - t_probe
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
-    written += plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats)
+    written += plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats,
+                         unigram_eval_cb0=unigram)
     if study.lrs:
         written += save_lr_figure(run_dirs, study.figures_dir, unigram_eval_cb0=unigram, formats=formats)
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
