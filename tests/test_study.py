@@ -270,9 +270,11 @@ def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_datas
     the study reads the run's metrics, records it as diverged and goes on (on the GPU this stopped a study)."""
     from musiclm_stab.analysis.runs import read_run
 
-    # a loss scale of 1e30 overflows fp16 at once; halved once, it is at the floor. An overflowed update is no
-    # update (fairseq): the runs diverge before their first step, at step 0
-    diverging = TINY + ["train.mixed_precision=fp16", "train.fp16_init_scale=1e30", "train.fp16_min_loss_scale=5e29"]
+    # a loss scale of 2^24 (the largest allowed) overflows fp16 at once (the musical MSE's gradient is scale x
+    # masked frames); halved once, it is at the floor. An overflowed update is no update (fairseq): the runs
+    # diverge before their first step, at step 0
+    diverging = TINY + ["train.mixed_precision=fp16", f"train.fp16_init_scale={2**24}",
+                        f"train.fp16_min_loss_scale={2**23}"]
     study = plan_study("gpu", tmp_path, tokenized_dataset, steps=3, extra=diverging, lrs=(1e-3,), control=False,
                        only=("study_prenorm_clip1_run2", "study_prenorm_clip10_run1"))
     run_study(study, jobs=1, formats=("png",))

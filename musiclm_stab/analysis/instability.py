@@ -2,7 +2,7 @@
 and the two controls. Fixed, with its parameters, before the study's runs (docs/STUDY.md, "The
 instability study").
 
-    python -m musiclm_stab.analysis.instability RUN_DIR_OR_FOLDER ... --out DIR --unigram BITS [--doc MD]
+    python -m musiclm_stab.analysis.instability RUN_DIR_OR_FOLDER ... --out DIR [--unigram BITS] [--doc MD]
 
 Runs and blocks. The six configurations (``ROLES6``): the seed figures' four (``claim_stats.ROLES``),
 Pre-Norm clip 1 with QK-Norm (``qknorm``) and plain Post-Norm clip 1 (``post``, the positive control). A
@@ -477,8 +477,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or folders to search for them")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for claims.md and claims.json")
-    p.add_argument("--unigram", type=float, metavar="BITS", required=True,
-                   help="held-out codebook-0 CE of the unigram model (bits): the level a stalled run does not leave")
+    p.add_argument("--unigram", type=float, metavar="BITS",
+                   help="held-out codebook-0 CE of the unigram model (bits): the level a stalled run does not leave "
+                        "(without it no run is found stalled)")
     p.add_argument("--doc", metavar="MD", help="also put the table into this file, between its markers")
     args = p.parse_args(argv)
     try:

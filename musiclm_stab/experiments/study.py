@@ -66,15 +66,18 @@ from musiclm_stab.experiments.study_codes import (
     switch_codes,
 )
 from musiclm_stab.experiments.study_plan import (
+    ARMS,
     CONTROL,
     DEFAULT_JOBS,
-    DEFAULT_NAMES,
+    DESIGNS,
+    INSTABILITY_STEMS,
     ORDERS,
     SCALES,
     STUDY_DATA,
     STUDY_RECIPES,
     Study,
     claims_command,
+    default_name,
     figure_runs,
     plan_study,
     plot_command,
@@ -289,6 +292,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     needs the corpus's labels.jsonl. ``probe_every_first_seed``: the probes' ``every_first_seed``.
     """
     from musiclm_stab.analysis.claims import write_claims
+    from musiclm_stab.analysis.instability import write_claims as write_instability_claims
     from musiclm_stab.analysis.lr_figure import save_lr_figure
     from musiclm_stab.analysis.plot import plot_runs, run_label
     from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
@@ -404,7 +408,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
     try:
-        md, js = write_claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
+        claims = write_instability_claims if study.design == "instability" else write_claims
+        md, js = claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
         written += [md, js]
         print("\n" + md.read_text())
     except ValueError as e:  # e.g. a study of fewer configurations: figures without the claims table
@@ -449,7 +454,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=float, nargs="*",
                    help="the peak learning rates of the grid (default: the scale's, study_plan.LR_GRIDS; none: the recipes')")
     p.add_argument("--no-control", action="store_true", help="without the QK-norm control at the top rates")
-    p.add_argument("--only", nargs="+", metavar="RECIPE", choices=(*STUDY_RECIPES, CONTROL),
+    p.add_argument("--design", choices=DESIGNS, default="claims",
+                   help="claims: the seed claims' study (default); instability: the instability study, its six "
+                        "configurations at every rate of a grid that crosses the failure boundary (docs/STUDY.md)")
+    p.add_argument("--arm", choices=ARMS, default="schemes",
+                   help="instability design: schemes (default) holds the conv frontend at its own lr, "
+                        "mert-frontend trains it at the run's lr as MERT does")
+    p.add_argument("--only", nargs="+", metavar="RECIPE", choices=INSTABILITY_STEMS,
                    help="train only the runs of these configurations (recipe names; the control: " + CONTROL
                         + "), named as in the whole study: a piece smaller than a block, e.g. two seed-0 runs "
                         "with their probes")
@@ -504,7 +515,7 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(f"musiclm-stab study: error: {e}", file=sys.stderr)
             return 2
 
-    folder = Path(args.runs) / (args.name or DEFAULT_NAMES.get(args.scale, ""))
+    folder = Path(args.runs) / (args.name or default_name(args.scale, args.design, args.arm))
     if args.switch_codes is not None:
         preset, tracks = STUDY_DATA[args.scale]
         data = args.data or Path(args.work) / f"{data_name(tracks, preset)}_tokens"
@@ -542,7 +553,8 @@ def cli_main(argv: list[str] | None = None) -> int:
             study = plan_study(args.scale, args.runs, data, args.steps, args.name, args.extra, args.seeds,
                                args.order, lrs=None if args.lrs is None else tuple(args.lrs),
                                first_seed=args.first_seed, control=not args.no_control,
-                               only=None if args.only is None else tuple(args.only))
+                               only=None if args.only is None else tuple(args.only), design=args.design,
+                               arm=args.arm)
         except ValueError as e:  # a plan that asks for nothing (--only the control without its rates)
             p.error(str(e))
         threads = args.threads if args.scale == "cpu" and args.threads > 0 else None

@@ -1,7 +1,14 @@
 """The study's plan: its four configurations (recipes/study_*.yaml) with each scale's overlays, its
 learning-rate grid, seeds and data orders, and the QK-norm positive control at the top rates, as run
 directories and launch lines; ``musiclm-stab study`` (experiments/study.py) runs it. The scales, grids,
-seeds and orders are described there."""
+seeds and orders are described there.
+
+Two designs (``DESIGNS``). ``claims``: the seed claims' study as run at cpu and gpu scale (docs/STUDY.md,
+its sections 1-2). ``instability``: the instability study (docs/STUDY.md, "The instability study"): the four
+configurations, the QK-Norm control and plain Post-Norm (the positive control) at every rate of a grid that
+crosses the failure boundary, more seeds and shorter runs, with its own overlay on each scale
+(``INSTABILITY_OVERLAYS``); its ``arm`` ``schemes`` holds the conv frontend at its own lr (optim.frontend_lr)
+so that the transformer fails first, ``mert-frontend`` trains it at the run's lr as MERT does."""
 
 from __future__ import annotations
 
@@ -54,6 +61,29 @@ DEFAULT_JOBS = {"cpu": 2, "gpu": 1, "full": 1}
 WINDOW_SHARE = 0.01
 ORDERS = ("paired", "shared", "independent")
 
+DESIGNS = ("claims", "instability")
+POST = "study_postnorm_clip1"  # plain Post-Norm at clip 1: the instability study's positive control
+INSTABILITY_STEMS = (*STUDY_RECIPES, CONTROL, POST)
+INSTABILITY_OVERLAYS: dict[str, Path] = {"cpu": OVERLAYS / "instability_cpu.yaml",
+                                         "gpu": OVERLAYS / "instability_gpu.yaml"}
+INSTABILITY_NAMES = {"cpu": "instability_cpu", "gpu": "instability_gpu"}
+# The instability study's grids cross the failure boundary in half-decade steps (pilots of seeds 200+:
+# docs/STUDY.md), and its seeds are the power simulation's choice (analysis/power.py).
+INSTABILITY_GRIDS: dict[str, tuple[float, ...]] = {"cpu": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+                                                   "gpu": (1.5e-3, 4.5e-3, 1.5e-2, 4.5e-2)}
+INSTABILITY_SEEDS = {"cpu": 6, "gpu": 2}
+INSTABILITY_FIGURE_LR_INDEX = 1  # the seed figures draw the grid's second rate
+ARMS = ("schemes", "mert-frontend")
+ARM_OVERRIDES = {"schemes": (), "mert-frontend": ("--optim.frontend_lr=null",)}
+ARM_SUFFIX = {"schemes": "", "mert-frontend": "_mert_frontend"}
+
+
+def default_name(scale: str, design: str = "claims", arm: str = "schemes") -> str:
+    """The study's folder under --runs at cpu or gpu scale ("" at full scale: the runs folder itself)."""
+    if design == "instability":
+        return INSTABILITY_NAMES.get(scale, "") + ARM_SUFFIX[arm] if scale in INSTABILITY_NAMES else ""
+    return DEFAULT_NAMES.get(scale, "")
+
 
 def recipe_path(stem: str) -> Path:
     return RECIPES / f"{stem}.yaml"
@@ -87,14 +117,17 @@ class Study:
     order: str = "paired"
     seeds: list[int] = field(default_factory=lambda: [0])
     lrs: tuple[float, ...] = ()
+    design: str = "claims"  # DESIGNS
 
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
 
     @property
     def figure_lr(self) -> float | None:
-        """The lr the seed figures draw (FIGURE_LR_INDEX of the grid; None: a study without a grid)."""
-        return self.lrs[min(FIGURE_LR_INDEX, len(self.lrs) - 1)] if self.lrs else None
+        """The lr the seed figures draw (FIGURE_LR_INDEX of the grid, the instability design's own; None: a
+        study without a grid)."""
+        index = INSTABILITY_FIGURE_LR_INDEX if self.design == "instability" else FIGURE_LR_INDEX
+        return self.lrs[min(index, len(self.lrs) - 1)] if self.lrs else None
 
     @property
     def window(self) -> int:
@@ -132,6 +165,8 @@ def plan_study(
     first_seed: int = 0,
     control: bool = True,
     only: tuple[str, ...] | None = None,
+    design: str = "claims",
+    arm: str = "schemes",
 ) -> Study:
     """The runs of the study at ``scale``: the four configurations x the lr grid x ``seeds`` seeds from
     ``first_seed`` (the scale's defaults when None; pilots use seeds the study does not), plus the QK-norm
@@ -142,31 +177,47 @@ def plan_study(
     it and the evaluation and diagnostics about every tenth of it, at cpu and gpu scale), ``extra``
     (``section.key=value``) is applied last to every run. ``only`` (recipe names of STUDY_RECIPES and CONTROL)
     keeps the runs of those configurations, as the whole plan has them: a piece of a study smaller than a block.
+    ``design`` and ``arm``: module docstring (the instability design at cpu and gpu scale: its six
+    configurations at every rate of its grid, its seeds, overlays and folder name; ``control`` does not apply).
     """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
+    if design not in DESIGNS:
+        raise ValueError(f"design={design!r}: choose one of {', '.join(DESIGNS)}")
+    if arm not in ARMS:
+        raise ValueError(f"arm={arm!r}: choose one of {', '.join(ARMS)}")
+    instability = design == "instability"
+    if instability and scale not in INSTABILITY_OVERLAYS:
+        raise ValueError(f"the instability design runs at scale {' or '.join(INSTABILITY_OVERLAYS)}, not {scale}")
+    if arm != "schemes" and not instability:
+        raise ValueError(f"arm={arm!r} is the instability design's")
     if order not in ORDERS:
         raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
-    n_seeds = DEFAULT_SEEDS[scale] if seeds is None else seeds
+    n_seeds = (INSTABILITY_SEEDS[scale] if instability else DEFAULT_SEEDS[scale]) if seeds is None else seeds
     if n_seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {n_seeds}")
-    grid = tuple(LR_GRIDS[scale] if lrs is None else lrs)
+    grid = tuple((INSTABILITY_GRIDS[scale] if instability else LR_GRIDS[scale]) if lrs is None else lrs)
     if any(not lr > 0 for lr in grid):
         raise ValueError(f"learning rates must be > 0, got {grid}")
-    unknown = sorted(set(only or ()) - {*STUDY_RECIPES, CONTROL})
+    known = INSTABILITY_STEMS if instability else (*STUDY_RECIPES, CONTROL)
+    unknown = sorted(set(only or ()) - set(known))
     if unknown:
-        raise ValueError(f"only={unknown}: the study's configurations are {', '.join((*STUDY_RECIPES, CONTROL))}")
+        raise ValueError(f"only={unknown}: the study's configurations are {', '.join(known)}")
     runs_dir = Path(runs_dir)
-    out = runs_dir / (name or DEFAULT_NAMES[scale]) if scale != "full" else runs_dir
-    top = sorted(grid)[-CONTROL_LRS:] if control else []
+    out = runs_dir / (name or default_name(scale, design, arm)) if scale != "full" else runs_dir
+    top = sorted(grid) if instability else sorted(grid)[-CONTROL_LRS:] if control else []
+    design_overlays = [INSTABILITY_OVERLAYS[scale]] if instability else []
     runs = []
     for seed in range(first_seed, first_seed + n_seeds):
         for lr in grid or (None,):
             members = [(stem, recipe_path(stem), []) for stem in STUDY_RECIPES]
             if lr in top:
                 members.append((CONTROL, recipe_path(CONTROL_BASE), list(CONTROL_OVERRIDES)))
+            if instability:
+                members.append((POST, recipe_path(POST), []))
             for stem, recipe, own in members:
-                configs = [recipe, *SCALE_OVERLAYS[scale]]
+                own = [*own, *ARM_OVERRIDES[arm]]
+                configs = [recipe, *SCALE_OVERLAYS[scale], *design_overlays]
                 parts = [stem] + ([RUN_SUFFIX[scale]] if scale != "full" else []) + (
                     [lr_tag(lr)] if lr is not None else []) + ([f"s{seed}"] if scale != "full" or n_seeds > 1 or grid
                                                                else [])
@@ -178,7 +229,9 @@ def plan_study(
                     overrides.append(f"--data.path={data}")
                 if steps is not None:
                     overrides.append(f"--train.max_steps={steps}")
-                    if scale != "full":
+                    if instability:  # its overlay's warmup and diagnostics stay: one evaluation, at the end
+                        overrides += [f"--train.eval_every={steps}", f"--train.checkpoint_every={steps}"]
+                    elif scale != "full":
                         overrides += _short_run_overrides(configs, [*overrides, *as_overrides(extra or [])], steps)
                 overrides += as_overrides(extra or [])
                 runs.append(StudyRun(configs, merge_overrides(overrides), stem, seed, lr))
@@ -188,7 +241,7 @@ def plan_study(
             raise ValueError(f"only={list(only)}: no run of the plan is of these configurations (the control runs "
                              f"at the grid's top {CONTROL_LRS} rates only)")
     figures = out / "figures" if scale != "full" else runs_dir / FULL_FIGURES
-    study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid)
+    study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid, design)
     for run in runs:
         run.config()  # fail now, before hours of training, if any override is wrong
     return study
@@ -217,8 +270,10 @@ def merge_overrides(overrides: list[str]) -> list[str]:
 
 
 def figure_runs(study: Study) -> list[StudyRun]:
-    """The runs the seed figures draw: every seed of the four configurations at the study's figure lr."""
-    return [r for r in study.runs if r.stem in STUDY_RECIPES and r.lr == study.figure_lr]
+    """The runs the seed figures draw: every seed of the four configurations at the study's figure lr (the
+    instability design: its six)."""
+    shown = INSTABILITY_STEMS if study.design == "instability" else STUDY_RECIPES
+    return [r for r in study.runs if r.stem in shown and r.lr == study.figure_lr]
 
 
 def plot_command(study: Study) -> list[str]:
@@ -236,5 +291,6 @@ def plot_command(study: Study) -> list[str]:
 
 
 def claims_command(study: Study) -> list[str]:
-    return ["python", "-m", "musiclm_stab.analysis.claims",
+    module = "instability" if study.design == "instability" else "claims"
+    return ["python", "-m", f"musiclm_stab.analysis.{module}",
             *(shown(d) for d in study.run_dirs()), "--out", shown(study.figures_dir)]

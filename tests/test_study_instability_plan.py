@@ -1,0 +1,66 @@
+"""The instability design of the study's plan (experiments/study_plan.py): its six configurations at every rate
+of its grid, overlays, arms and folder names, and how its runs read as roles (analysis/instability.py)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+
+from musiclm_stab.analysis.instability import ROLES6, role6
+from musiclm_stab.experiments.study import cli_main
+from musiclm_stab.experiments.study_plan import (
+    INSTABILITY_GRIDS,
+    INSTABILITY_OVERLAYS,
+    INSTABILITY_SEEDS,
+    INSTABILITY_STEMS,
+    claims_command,
+    figure_runs,
+    plan_study,
+)
+
+
+def test_instability_plan_runs_six_configurations_at_every_rate(tmp_path):
+    """Every rate and seed has the six configurations (the QK-Norm and Post-Norm controls at every rate, not only
+    the top two), each run's config is its role, with the instability overlay after the cpu scale's (no warmup,
+    the frontend at its own lr, step-by-step rows, one evaluation at the end); the figures draw the six at the
+    grid's second rate; the claims line is the instability analysis."""
+    study = plan_study("cpu", tmp_path, data="work/hours256_tokens", design="instability", seeds=2, lrs=(1e-3, 1e-1))
+    assert study.figures_dir == tmp_path / "instability_cpu" / "figures" and len(study.runs) == 6 * 2 * 2
+    for lr in (1e-3, 1e-1):
+        for seed in (0, 1):
+            here = [r for r in study.runs if (r.lr, r.seed) == (lr, seed)]
+            assert [r.stem for r in here] == list(INSTABILITY_STEMS)
+            assert [role6(r.config().to_dict()) for r in here] == list(ROLES6)
+    cfg = study.runs[0].config()
+    assert study.runs[0].configs[-1] == INSTABILITY_OVERLAYS["cpu"]
+    assert (cfg.optim.warmup_steps, cfg.optim.frontend_lr, cfg.train.log_every) == (0, 1e-3, 1)
+    assert cfg.train.eval_every == cfg.train.max_steps and cfg.train.diagnostics_every == 5
+    assert {r.lr for r in figure_runs(study)} == {1e-1} and len(figure_runs(study)) == 6 * 2
+    assert claims_command(study)[:3] == ["python", "-m", "musiclm_stab.analysis.instability"]
+    default = plan_study("cpu", tmp_path, data="x", design="instability")
+    assert default.lrs == INSTABILITY_GRIDS["cpu"] and default.seeds == list(range(INSTABILITY_SEEDS["cpu"]))
+
+
+def test_instability_arms_steps_and_refusals(tmp_path, capsys):
+    """The mert-frontend arm trains the frontend at the run's lr, in a folder of its own; --steps keeps the
+    overlay's warmup and diagnostics and evaluates once, at the end; the full scale and an arm of the claims
+    design are refused; --print-only prints the instability launch lines."""
+    mert = plan_study("cpu", tmp_path, data="x", design="instability", seeds=1, lrs=(3e-2,), arm="mert-frontend")
+    assert mert.figures_dir.parent.name == "instability_cpu_mert_frontend"
+    assert all(r.config().optim.frontend_lr is None for r in mert.runs)
+    short = plan_study("cpu", tmp_path, data="x", design="instability", seeds=1, lrs=(3e-2,), steps=40).runs[0].config()
+    assert (short.train.max_steps, short.train.eval_every, short.train.diagnostics_every, short.optim.warmup_steps) == (
+        40, 40, 5, 0)
+    with pytest.raises(ValueError, match="instability design runs at scale"):
+        plan_study("full", tmp_path, design="instability")
+    with pytest.raises(ValueError, match="instability design's"):
+        plan_study("cpu", tmp_path, data="x", arm="mert-frontend")
+    assert cli_main(["--design", "instability", "--print-only", "--runs", str(tmp_path), "--seeds", "1", "--lrs",
+                     "1e-2", "--only", "study_postnorm_clip1"]) == 0
+    lines = [shlex.split(x) for x in capsys.readouterr().out.splitlines() if "launch" in x]
+    assert len(lines) == 1 and "recipes/study_postnorm_clip1.yaml" in lines[0]
+    assert "recipes/overlays/instability_cpu.yaml" in lines[0]
+    saved = yaml.safe_load(yaml.safe_dump(mert.runs[0].config().to_dict()))
+    assert saved["optim"]["frontend_lr"] is None
