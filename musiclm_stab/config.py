@@ -391,6 +391,12 @@ class TrainConfig:
     fp16_scale_window: int | None = None
     fp16_scale_tolerance: float = 0.0
     fp16_min_loss_scale: float = 1e-4
+    # fairseq fp16 on fewer GPUs than MERT-330M's 64: the fp16 gradients summed over groups of this many
+    # micro-batches (a GPU's update_freq: 8 for MERT-330M), each group's sum divided in fp16 by the number of
+    # groups in the whole update (MERT's world size) and the groups added in fp16, as fairseq's legacy DDP does
+    # (training/precision.py). None: all of this process's train.grad_accum micro-batches summed in fp16 (the
+    # same on 64 GPUs; on one GPU 512 micro-batches, 64x MERT's sum). Must divide train.grad_accum.
+    fp16_accum_group: int | None = None
     grad_accum: int = 1
     # Crops per optimizer update over all processes; when set, train.grad_accum is derived from it and the
     # process count (global_batch_crops / (data.batch_size x processes), which must be whole).
@@ -442,6 +448,8 @@ class TrainConfig:
                               f"{self.fp16_init_scale}, got {self.fp16_min_loss_scale}")
         if self.fp16_scale_window is not None and self.fp16_scale_window < 1:
             raise ConfigError(f"train.fp16_scale_window must be >= 1 (or null), got {self.fp16_scale_window}")
+        if self.fp16_accum_group is not None and self.fp16_accum_group < 1:
+            raise ConfigError(f"train.fp16_accum_group must be >= 1 (or null), got {self.fp16_accum_group}")
         if not 0.0 <= self.fp16_scale_tolerance <= 1.0:
             raise ConfigError(f"train.fp16_scale_tolerance must be in [0, 1], got {self.fp16_scale_tolerance}")
         if self.global_batch_crops is not None and self.global_batch_crops < 1:

@@ -252,3 +252,51 @@ def test_fp16_musical_mse_pins_the_loss_scale_below_65504_over_the_masked_frames
         tried.append((scale, trainer.update()["overflow"]))
     assert max(s for s, _ in tried) == 512, tried
     assert all(overflow == (s == 512) for s, overflow in tried), tried
+
+
+def test_fp16_accum_group_sums_groups_of_micro_batches_as_fairseqs_gpus_did(fresh_accelerate_state):
+    """train.fp16_accum_group=2 with 4 micro-batches: each pair's fp16 sum is divided in fp16 by the 2 groups and
+    the two added in fp16 (fairseq's legacy DDP on 2 GPUs of update_freq 2), so gradients of 20000 per
+    micro-batch stay finite (40000 / 2 + 40000 / 2), where one fp16 sum of the 4 overflows (80000); unscaled,
+    both are the mean per micro-batch."""
+    from accelerate import Accelerator
+
+    from musiclm_stab.config import TrainConfig
+    from musiclm_stab.training.precision import FairseqFp16
+
+    def update(group):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(1, 1, bias=False)
+        precision = FairseqFp16(Accelerator(cpu=True), TrainConfig(mixed_precision="fp16", grad_accum=4,
+                                                                  fp16_accum_group=group), "emulate")
+        precision.prepare_model(layer)
+        precision.begin_update(torch.tensor(1.0))
+        for i in range(4):
+            x = torch.full((1, 1), 20000.0 / 128)  # d(loss)/dw = x; backpropagated x 128 (the loss scale)
+            precision.backward(layer(x).sum(), 4)
+            precision.after_backward(i)
+        return layer.weight.grad.clone(), precision.grad_scale()
+
+    grouped, scale = update(2)
+    assert grouped.item() == 40000.0 and scale == 128 * 2  # (20000 + 20000) / 2 + (20000 + 20000) / 2
+    assert grouped.item() / scale == pytest.approx(20000.0 / 128)  # the mean per micro-batch, unscaled
+    whole, _ = update(None)
+    assert torch.isinf(whole).all()  # 4 x 20000 in one fp16 sum
+    with pytest.raises(Exception, match="fp16_accum_group=3 must divide train.grad_accum=4"):
+        FairseqFp16(Accelerator(cpu=True), TrainConfig(mixed_precision="fp16", grad_accum=4, fp16_accum_group=3),
+                    "emulate")
+
+
+def test_trainer_with_fp16_accum_group_updates_like_one_fp16_sum(tokenized_dataset, tmp_path):
+    """Through the trainer, grad_accum 2 summed as 2 groups of 1 (each divided by 2 in fp16) moves the fp32
+    masters as one fp16 sum of the 2 does, to fp16 precision (same batches, same init)."""
+    masters = []
+    for group in ("null", "1"):
+        trainer = Trainer(fp16_cfg(tokenized_dataset, tmp_path, "--train.max_steps=2", "--train.grad_accum=2",
+                                   f"--train.fp16_accum_group={group}", name=f"g{group}"))
+        for _ in range(2):
+            trainer.train_step()
+            assert trainer.update()["advanced"]
+        masters.append([m.detach().clone() for m in trainer.precision.master])
+    for a, b in zip(*masters):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-5)

@@ -6,6 +6,8 @@ A ``Precision`` does, for the trainer, what depends on the number format (``make
     forward()                   the context of the forward pass
     begin_update(frames)        once per update, with the first micro-batch's masked frames
     backward(loss, accum)       backpropagate one micro-batch's loss (scaled where a loss scaler is used)
+    after_backward(i)           after micro-batch i's backward (fairseq fp16's per-GPU accumulation)
+    ddp_sync                    whether DDP reduces the gradients at the last micro-batch (else the precision does)
     step(model, optimizer, thr) unscale, measure the norm before clipping, clip, update or skip -> StepResult
     loss_scale, state_dict()    logged as ``loss_scale`` / checkpointed (JSON)
 
@@ -22,6 +24,12 @@ A ``Precision`` does, for the trainer, what depends on the number format (``make
   micro-batches of the other modes) times the loss scale. The unscaled gradients are copied into the fp32
   masters; an inf or NaN norm is an overflow: the update is skipped, the scale halved (training/loss_scaler.py),
   and, as in fairseq, it is no update: the step and the learning-rate schedule do not advance.
+  ``train.fp16_accum_group`` G reproduces on fewer GPUs how MERT-330M's 64 summed their fp16 gradients
+  (fairseq's legacy DDP, ``no_c10d``): each GPU summed its update_freq = 8 micro-batches in fp16, divided that
+  sum by the world size in fp16 and the GPUs' sums were added in fp16. Here each group of G micro-batches is
+  summed in the model's fp16 gradients, divided in fp16 by the number of groups in the whole update (over
+  every process), and the groups are added in fp16 (over processes by an all-reduce in fp16, DDP's own sync
+  left out). Without it one fp16 sum covers all of a process's micro-batches: 64 times MERT's on one GPU.
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ class Precision:
 
     name = "native"
     overflow_advances_step = True  # whether an overflowed (skipped) update still advances the step
+    ddp_sync = True  # DDP averages the gradients at the last micro-batch of an update
 
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
@@ -130,6 +139,9 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, accum: int) -> None:
         self.accelerator.backward(loss / accum)
+
+    def after_backward(self, micro_batch: int) -> None:
+        pass
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, threshold: float) -> StepResult:
         norm = float(self.accelerator.clip_grad_norm_(model.parameters(), threshold))  # one host sync per step
@@ -214,6 +226,13 @@ class FairseqFp16(Precision):
         self.frames = 1.0
         self.params: list[nn.Parameter] = []
         self.master: list[nn.Parameter] = []
+        self.group = tcfg.fp16_accum_group  # None: one fp16 sum over this process's micro-batches
+        if self.group is not None and tcfg.grad_accum % self.group:
+            raise ConfigError(f"train.fp16_accum_group={self.group} must divide train.grad_accum={tcfg.grad_accum} "
+                              f"(the micro-batches of an update on each of {accelerator.num_processes} process(es))")
+        self.groups = tcfg.grad_accum // self.group * accelerator.num_processes if self.group else 1
+        self.ddp_sync = self.group is None
+        self.summed: list[torch.Tensor | None] = []  # the fp16 sum of the groups so far (fp16_accum_group)
 
     def describe(self) -> str:
         return (f"fp16 (fairseq, {'emulated' if self.impl == 'emulate' else 'half'}; loss scale "
@@ -271,8 +290,38 @@ class FairseqFp16(Precision):
         with emulation("fairseq" if self.impl == "emulate" else None):
             self.accelerator.backward(loss * (self.scaler.loss_scale * self.frames))
 
+    def after_backward(self, micro_batch):
+        """With ``fp16_accum_group`` G: at the end of each group of G micro-batches, the group's fp16 sum
+        divided in fp16 by the number of groups of the update is added, in fp16, to the update's sum; at the
+        last, that sum (all-reduced over processes, in fp16) becomes the gradients."""
+        if self.group is None or (micro_batch + 1) % self.group:
+            return
+        with torch.no_grad():
+            if not self.summed:
+                self.summed = [None] * len(self.params)
+            for j, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                part = self._fp16(p.grad / self.groups)
+                self.summed[j] = part if self.summed[j] is None else self._fp16(self.summed[j] + part)
+                p.grad = None
+            if micro_batch + 1 < self.accum:
+                return
+            for p, g in zip(self.params, self.summed):
+                if g is not None and self.accelerator.num_processes > 1:
+                    torch.distributed.all_reduce(g)  # a sum, in fp16 on real half tensors
+                    g = self._fp16(g)
+                p.grad = g
+            self.summed = []
+
+    def _fp16(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as an fp16 result: rounded under the emulation (real half arithmetic already is)."""
+        return t if self.impl == "half" else round_fp16(t)
+
     def grad_scale(self):
-        return self.scaler.loss_scale * self.frames * self.accum
+        # the gradients hold loss_scale x masked frames x the sum over micro-batches (over one group of them,
+        # the groups' sums divided by their number, with fp16_accum_group)
+        return self.scaler.loss_scale * self.frames * (self.group or self.accum)
 
     def step(self, model, optimizer, threshold):
         inv = 1.0 / self.grad_scale()

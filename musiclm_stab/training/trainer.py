@@ -204,7 +204,8 @@ class Trainer:
             if diagnose and last:
                 record_attention_logits(self.model, True)
             recording = record_activations(self.model) if diagnose and last else contextlib.nullcontext(activations)
-            with contextlib.nullcontext() if last else acc.no_sync(self.model), recording as activations:
+            synced = last and self.precision.ddp_sync  # else the precision sums the micro-batches (fp16_accum_group)
+            with contextlib.nullcontext() if synced else acc.no_sync(self.model), recording as activations:
                 w, frames = self.masked_weight(batch["mask"])
                 if i == 0:
                     self.precision.begin_update(frames)
@@ -213,6 +214,7 @@ class Trainer:
                                      batch["mask"], frame_weight=w)
                 loss = self.perturb_loss(step, out.loss)
                 self.precision.backward(loss, tcfg.grad_accum)
+                self.precision.after_backward(i)
             out.loss = loss  # the loss as backpropagated (perturb_loss), logged in train.loss_unit
             metrics = out.metrics(tcfg.loss_unit)
             for name, value in metrics.items():
