@@ -81,16 +81,6 @@ def emulating() -> str | None:
     return stack[-1] if stack else None
 
 
-def fp32_one_op(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32, for an fp32 island of a single operation whose result goes straight back into the
-    fp16 model (fairseq's Fp32GroupNorm). Under the emulation float32 suffices there, and is what a GPU
-    computes: the emulation rounds that one operation's outputs to fp16 in forward, which is the island's
-    cast back, and its backward outputs, which is the cast of the gradients at the island's entrance. An
-    island of several operations needs ``fp32`` (float64 under the emulation), or its inner results would
-    be rounded too."""
-    return x.float()
-
-
 def fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the dtype of an fp32 island: float32, or float64 under the ``fairseq`` emulation, where
     float32 holds fp16 values (module docstring). Bool and integer tensors become that float type too."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from musiclm_stab import HOP_LENGTH
-from musiclm_stab.model.fp16_arith import fp32_one_op
+from musiclm_stab.model.fp16_arith import fp32
 
 CONV_LAYERS = [(10, 5)] + [(3, 2)] * 4 + [(2, 2)] * 2  # (kernel, stride): total stride 5 * 2^6 = 320
 RECEPTIVE_FIELD = 400
@@ -56,8 +56,7 @@ class Fp32GroupNorm(nn.GroupNorm):
     ``Fp32GroupNorm``, the only norm of wav2vec2's conv frontend). The same parameters as ``nn.GroupNorm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.group_norm(fp32_one_op(x), self.num_groups, fp32_one_op(self.weight), fp32_one_op(self.bias),
-                            self.eps).to(x.dtype)
+        return F.group_norm(fp32(x), self.num_groups, fp32(self.weight), fp32(self.bias), self.eps).to(x.dtype)
 
 
 class ConvFrontend(nn.Module):
