@@ -112,3 +112,17 @@ def test_committed_cpu_study_runs_read_as_dead_input_or_healthy(name, kind):
         assert 120 <= found.step <= 500
     if name.endswith("lr1e-2_s2"):
         assert any((c.step, c.scale, c.overflows) == (565, 0.5, 6) for c in cascades(run))
+
+
+def test_summary_row_names_the_failure_its_step_headroom_and_lr():
+    """A study's summary.json row (experiments/study.summarize) names the run's failure kind and step, its lr,
+    its cascades and the largest fp16 headroom logged, and counts a divergence's own overflows."""
+    from musiclm_stab.experiments.study import summarize
+
+    dead = summarize(CPU_RUNS / "study_prenorm_clip10_run1_tiny_lr1e-2_s2", unigram_eval_cb0=UNIGRAM)
+    assert (dead["failure"], dead["failure_step"], dead["lr"]) == ("dead input", 375, 0.01)
+    assert dead["headroom"]["attn_logit"] == pytest.approx(970 / 65504, rel=0.01) and dead["cascades"] >= 1
+    healthy = summarize(CPU_RUNS / "study_prenorm_clip10_run1_tiny_lr1e-3_s0", unigram_eval_cb0=UNIGRAM)
+    assert (healthy["failure"], healthy["failure_step"]) == ("none", None)
+    gpu = summarize(REPO / "docs" / "study_gpu" / "runs" / "study_prenorm_clip1_run2_gpu_lr1.5e-2_s0")
+    assert (gpu["failure"], gpu["failure_step"], gpu["overflow_steps"]) == ("diverged", 39, 21)

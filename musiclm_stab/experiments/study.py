@@ -89,11 +89,16 @@ from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan) -> dict:
     """One run's row of summary.json and the progress report: its lr, precision and seed; final losses
     (training: mean of the last ``last`` logged; held-out: the last evaluation) beside the held-out unigram
-    level it is judged against; grad-norm range; skipped and overflowed updates; divergence; the sha256 of
-    the codes it trained on (by the study folder's data.json; None without one)."""
+    level it is judged against; grad-norm range; skipped and overflowed updates (a divergence's own
+    included) and spike cascades; divergence; its failure kind and step (analysis/failures.py: none,
+    diverged, dead input, stalled) and the largest fp16 headroom of each place logged; the sha256 of the
+    codes it trained on (by the study folder's data.json; None without one)."""
+    from musiclm_stab.analysis.failures import cascades, failure
+    from musiclm_stab.analysis.instability import headroom_of
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
+    found = failure(run.in_unit("bits"), unigram_eval_cb0 if math.isfinite(unigram_eval_cb0) else None)
     train, optim = run.config.get("train") or {}, run.config.get("optim") or {}
     out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "lr": optim.get("lr"),
            "precision": train.get("mixed_precision"),
@@ -102,7 +107,10 @@ def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan)
            "diverged_at": getattr(run, "diverged_at", None), "unigram_eval_cb0": unigram_eval_cb0,
            "codes_sha256": run_codes_sha256(run_dir)}
     overflow = run.metric("overflow_step")
-    out["overflow_steps"] = int(overflow[1].sum()) if overflow else 0
+    out["overflow_steps"] = (int(overflow[1].sum()) if overflow else 0) + run.final_overflows
+    out["cascades"] = len(cascades(run))
+    out["failure"], out["failure_step"] = found.kind, found.step
+    out["headroom"] = {place: (v if math.isfinite(v) else str(v)) for place, v in headroom_of(run).items()}
     for key, metric in (("loss", "loss"), ("musical", "musical_mlm_loss"), ("cb0", "acoustic_mlm_loss/cb0"),
                         ("eval_loss", "eval/loss"), ("eval_cb0", "eval/acoustic_mlm_loss/cb0")):
         series = run.metric(metric)
@@ -120,7 +128,7 @@ def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan)
 def format_summary(rows: list[dict]) -> str:
     head = (
         f"{'run':<44} {'lr':>7} {'seed':>4} {'steps':>5} {'loss first->final':>19} {'cb0':>7} {'eval cb0':>8} "
-        f"{'(unigram)':>9} {'grad norm min..max@step (final)':>33} {'overflow':>8} {'diverged':>8}"
+        f"{'(unigram)':>9} {'grad norm min..max@step (final)':>33} {'overflow':>8} {'failure':>16}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -129,9 +137,14 @@ def format_summary(rows: list[dict]) -> str:
             f"{r['first_loss']:>8.3f} -> {r['final_loss']:>7.3f} {r['final_cb0']:>7.3f} {r['final_eval_cb0']:>8.3f} "
             f"{r['unigram_eval_cb0']:>9.3f} "
             f"{r['grad_norm_min']:>9.2f} ..{r['grad_norm_max']:>7.2f}@{r['grad_norm_max_step'] or 0:<5} "
-            f"({r['grad_norm_final']:>6.2f}) {r['overflow_steps']:>8} {r['diverged_at'] or '-':>8}"
+            f"({r['grad_norm_final']:>6.2f}) {r['overflow_steps']:>8} {_failure_text(r):>16}"
         )
     return "\n".join(lines)
+
+
+def _failure_text(row: dict) -> str:
+    kind, step = row.get("failure", "none"), row.get("failure_step")
+    return "-" if kind == "none" else kind if step is None else f"{kind}@{step}"
 
 
 PROBE = {"tasks": ("pitch",), "baselines": ("random_init",), "l2_grid": (1e-2,)}
