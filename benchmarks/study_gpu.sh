@@ -69,8 +69,18 @@ fi
 stamp "study exited with $STATUS after $(( $(date +%s) - START )) s"
 
 # One archive (the device tool returns few files): figures, tables, and each run's config and metrics.
-STUDY_DIR="$OUT/runs/study_gpu"
-for arg in "$@"; do case "$arg" in --name=*) STUDY_DIR="$OUT/runs/${arg#--name=}";; esac; done
+# The study's folder, as `study` names it: --name, else by --design and --arm (study_plan.default_name)
+STUDY_DIR="$OUT/runs/$("$PYTHON" -c 'import sys
+from musiclm_stab.experiments.study_plan import default_name
+a = sys.argv[1:]
+def opt(name, default):
+    for i, x in enumerate(a):
+        if x == name and i + 1 < len(a):
+            return a[i + 1]
+        if x.startswith(name + "="):
+            return x.split("=", 1)[1]
+    return default
+print(opt("--name", default_name("gpu", opt("--design", "claims"), opt("--arm", "schemes"))))' "$@")"
 # probe/probe.json, not probe/cache/: features of every layer, gigabytes at base size
 KEPT=$(cd "$STUDY_DIR" 2>/dev/null && ls -d figures */config.yaml */metrics.jsonl */tokenizer.json */study_time.json \
     */probe/probe.json data.json logs 2>/dev/null || true)

@@ -134,3 +134,12 @@ def test_endpoints_of_run_directories_and_the_claims_files(tmp_path):
     kinds = {(r["role"], r["lr"], r["seed"]): r["kind"] for r in saved["runs"]}
     assert kinds[(POST, 0.003, 2)] == "dead input" and kinds[("clip1", 0.003, 0)] == "diverged"
     assert cli_main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x"), "--unigram", "9.3"]) == 2
+
+
+def test_committed_power_table_recomputes():
+    """docs/instability_cpu/power.json (the design's power, committed before its runs) is what the simulation
+    gives again: the 6-seed cells recomputed alone from their own generators, and the table's markdown."""
+    saved = json.loads((REPO / "docs" / "instability_cpu" / "power.json").read_text())
+    for row in (r for r in saved if r["seeds"] == 6):
+        assert power.cell(row["seeds"], row["lrs"], row["effect"], row["studies"], row["index"]) == row, row["effect"]
+    assert power.markdown(saved) == (REPO / "docs" / "instability_cpu" / "power.md").read_text()
