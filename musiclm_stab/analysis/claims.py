@@ -62,8 +62,8 @@ from musiclm_stab.analysis.study_record import run_codes_sha256
 from musiclm_stab.analysis.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
-           "analyse", "claims_of", "cli_main", "codes_lines", "codes_of_blocks", "control_of", "fill_doc",
-           "find_run_dirs", "markdown", "probe_score", "role_of", "run_codes", "study_blocks", "to_json",
+           "analyse", "claims_of", "claims_table", "cli_main", "codes_lines", "codes_of_blocks", "control_of", "fill_doc",
+           "find_run_dirs", "markdown", "probe_score", "role_of", "run_codes", "runs_by_block", "study_blocks", "to_json",
            "used_runs", "write_claims"]
 
 CLIP_SHARE_MIN = 0.2
@@ -90,21 +90,28 @@ class NoCompleteBlock(ValueError):
     """No (lr, seed) block holds a run of every configuration: nothing for the claims to compare."""
 
 
+def runs_by_block(runs: Sequence) -> dict[Block, dict]:
+    """{(lr, seed): {role: run}} of the runs that have a role (anything with ``role``, ``lr``, ``seed`` and
+    ``path``), blocks ascending. ValueError naming both runs when a block has two runs of one role."""
+    seen: dict[Block, dict] = {}
+    for r in runs:
+        if r.role is None:
+            continue
+        block = seen.setdefault((r.lr, r.seed), {})
+        if r.role in block:
+            raise ValueError(f"runs {block[r.role].path} and {r.path} are both {r.role} at lr {r.lr:g}, "
+                             f"train.seed {r.seed}: one run per configuration and block")
+        block[r.role] = r
+    return dict(sorted(seen.items()))
+
+
 def study_blocks(stats: Sequence[RunStats]) -> Blocks:
     """Sort runs into blocks (module docstring). Raises ValueError for two runs of one role in one block,
     and NoCompleteBlock (a ValueError) when no block is complete (naming what each block lacks)."""
-    seen: dict[Block, dict[str, RunStats]] = {}
     ignored = [s.path for s in stats if s.role is None]
     if ignored:
         warnings.warn(f"runs with none of the study's roles, ignored: {', '.join(ignored)}", stacklevel=2)
-    for s in stats:
-        if s.role is None:
-            continue
-        block = seen.setdefault((s.lr, s.seed), {})
-        if s.role in block:
-            raise ValueError(f"runs {block[s.role].path} and {s.path} are both {s.role} at lr {s.lr:g}, "
-                             f"train.seed {s.seed}: one run per configuration and block")
-        block[s.role] = s
+    seen = runs_by_block(stats)
     complete = {b: {r: runs[r] for r in ROLES} for b, runs in sorted(seen.items())
                 if all(r in runs for r in ROLES)}
     incomplete = {b: [r for r in (*ROLES, CONTROL) if r in runs] for b, runs in sorted(seen.items())
@@ -253,17 +260,23 @@ def part_text(q: Part) -> str:
     return f"{q.name}: n {q.n} of {q.blocks}, median {q.estimate:+.3g}, p {_p(q.p)}{adjusted}"
 
 
-def markdown(result: dict) -> str:
-    """claims.md: the claims table (one row per claim), the blocks, the control and the grid tables."""
+def claims_table(claims: Sequence[Claim]) -> list[str]:
+    """The claims table's lines: one row per decided claim, its parts, p, adjusted p, verdict and why."""
     lines = ["| claim | parts: n, median difference, p, adjusted p | claim p (direction) | adjusted p "
              "| verdict | why |", "|---|---|---|---|---|---|"]
-    for c in result["claims"]:
+    for c in claims:
         parts = "<br>".join(part_text(q) for q in c.parts) or "none"
         tested = c.testable and not math.isnan(c.p_adjusted)
         claim_p = f"{_p(c.p)} ({c.direction or 'none'})" if tested else "-"
         why = c.why if c.verdict == "not testable at this scale" or not c.reason else f"{c.why}; {c.reason}"
         lines.append(f"| ({c.key}) {c.text} | {parts} | {claim_p} | {_p(c.p_adjusted) if tested else '-'} "
                      f"| **{c.verdict}** | {why} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """claims.md: the claims table (one row per claim), the blocks, the control and the grid tables."""
+    lines = claims_table(result["claims"])
     blocks: Blocks = result["blocks"]
     lines += ["", f"Family: the testable claims, Holm-adjusted at {ALPHA}. Differences are paired within a "
               "block (lr, seed); a part's median difference > 0 (McNemar: the first more often) is what the "

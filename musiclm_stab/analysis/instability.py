@@ -85,7 +85,16 @@ from musiclm_stab.analysis.claim_stats import (
     role_of,
     spike_events,
 )
-from musiclm_stab.analysis.claims import _diff, _ln, _p, _plain, fill_doc, find_run_dirs, part_text
+from musiclm_stab.analysis.claims import (
+    _diff,
+    _ln,
+    _plain,
+    claims_table,
+    fill_doc,
+    find_run_dirs,
+    part_text,
+    runs_by_block,
+)
 from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
 from musiclm_stab.analysis.failures import STALL_MARGIN, cascades, failure
 from musiclm_stab.analysis.runs import RunMetrics, read_run
@@ -230,19 +239,10 @@ class Blocks:
 
 def study_blocks(runs: Sequence[Endpoints]) -> Blocks:
     """Sort runs into blocks; ValueError for two runs of one role in a block or no complete block."""
-    seen: dict[Block, dict[str, Endpoints]] = {}
     ignored = [r.path for r in runs if r.role is None]
-    for r in runs:
-        if r.role is None:
-            continue
-        block = seen.setdefault((r.lr, r.seed), {})
-        if r.role in block:
-            raise ValueError(f"runs {block[r.role].path} and {r.path} are both {r.role} at lr {r.lr:g}, "
-                             f"train.seed {r.seed}: one run per configuration and block")
-        block[r.role] = r
-    complete = {b: {k: have[k] for k in ROLES6} for b, have in sorted(seen.items())
-                if all(k in have for k in ROLES6)}
-    incomplete = {b: [k for k in ROLES6 if k in have] for b, have in sorted(seen.items()) if b not in complete}
+    seen = runs_by_block(runs)
+    complete = {b: {k: have[k] for k in ROLES6} for b, have in seen.items() if all(k in have for k in ROLES6)}
+    incomplete = {b: [k for k in ROLES6 if k in have] for b, have in seen.items() if b not in complete}
     if not complete:
         raise ValueError("no complete block (one run of each of " + ", ".join(ROLES6) + " at one lr and seed)")
     return Blocks(complete, incomplete, ignored)
@@ -408,15 +408,7 @@ def controls_markdown(controls: dict) -> list[str]:
 def markdown(result: dict) -> str:
     """claims.md of the instability study: the controls first, the claims, the failures, the configurations."""
     lines = controls_markdown(result["controls"])
-    lines += ["", "### The claims", "", "| claim | parts: n, median difference, p, adjusted p | claim p (direction) "
-              "| adjusted p | verdict | why |", "|---|---|---|---|---|---|"]
-    for c in result["claims"]:
-        parts = "<br>".join(part_text(q) for q in c.parts) or "none"
-        tested = c.testable and not math.isnan(c.p_adjusted)
-        claim_p = f"{_p(c.p)} ({c.direction or 'none'})" if tested else "-"
-        why = c.why if c.verdict == "not testable at this scale" or not c.reason else f"{c.why}; {c.reason}"
-        lines.append(f"| ({c.key}) {c.text} | {parts} | {claim_p} | {_p(c.p_adjusted) if tested else '-'} "
-                     f"| **{c.verdict}** | {why} |")
+    lines += ["", "### The claims", "", *claims_table(result["claims"])]
     blocks: Blocks = result["blocks"]
     lines += ["", f"Family: the testable claims, Holm-adjusted at {ALPHA}. Complete blocks ({len(blocks.complete)}): "
               + "; ".join(f"lr {lr_text(lr)}, seeds {', '.join(str(s) for x, s in blocks.complete if x == lr)}"

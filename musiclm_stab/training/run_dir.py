@@ -20,23 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import os
-import socket
-import sys
-import threading
-from datetime import datetime, timezone
 from pathlib import Path
 
 from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.locks import Held, ProcessLock
 
 LOCK_FILE = ".train.lock"
-# Lock files this process holds -> who holds them: record locks do not conflict within a process, and
-# closing any descriptor of a locked file drops the lock, so a second lock is refused from this table.
-_HELD: dict[str, str] = {}
-_GUARD = threading.Lock()
 
 
 class RunBusy(ConfigError):
@@ -47,18 +39,6 @@ class MetricsWriteError(RuntimeError):
     """A metrics row could not be appended (e.g. the disk is full); metrics.jsonl is left as it was."""
 
 
-def _holder_of(fd: int) -> str:
-    """Who holds the lock, as the holder wrote it in the lock file."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
-        info = {}
-    if not isinstance(info, dict) or not info.get("pid"):
-        return "another process"
-    return (f"process {info['pid']} on {info.get('host', '?')}, started {info.get('started', '?')}: "
-            f"{info.get('command', '?')}")
-
-
 def _os_error(run_dir: Path, error: OSError, doing: str) -> ConfigError:
     """A run directory that cannot be made or written (train.output_dir under a file, no permission, ...)."""
     return ConfigError(f"train.output_dir: cannot {doing} {run_dir}: {error.strerror or error}"
@@ -66,59 +46,34 @@ def _os_error(run_dir: Path, error: OSError, doing: str) -> ConfigError:
 
 
 class RunLock:
-    """The exclusive lock of one run directory (module docstring), taken at construction: RunBusy if
-    another process (or another RunLock of this process) holds it, ConfigError if the directory cannot be
-    made. ``release`` (or the process's exit) frees it; the file stays, since deleting it would let a
-    waiting process lock a file that is no longer the lock."""
+    """The exclusive lock of one run directory (module docstring; musiclm_stab/locks.py), taken at
+    construction: RunBusy if another process (or another RunLock of this process) holds it, ConfigError if
+    the directory cannot be made. ``release`` (or the process's exit) frees it."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.fd: int | None = None
         path = self.run_dir / LOCK_FILE
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.key = str(path.resolve())
         except OSError as e:
             raise _os_error(self.run_dir, e, "create the run directory") from None
-        with _GUARD:
-            if self.key in _HELD:  # refused before opening the file: closing a descriptor would drop the lock
-                raise RunBusy(f"run directory {self.run_dir} is being trained by {_HELD[self.key]} (this process)")
-            try:
-                fd = os.open(self.key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                raise _os_error(self.run_dir, e, "create the lock file in") from None
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = _holder_of(fd)
-                os.close(fd)  # this process holds no lock on the file: closing drops nothing
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise _os_error(self.run_dir, e, "lock") from None
-                raise RunBusy(f"run directory {self.run_dir} is being trained by {holder}; wait for it to finish "
-                              f"or stop it (its lock, {path}, is released when that process exits), or choose "
-                              "another --train.name") from None
-            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            command = " ".join(sys.argv) or sys.executable
-            _HELD[self.key] = f"process {os.getpid()} on {socket.gethostname()}, started {started}: {command}"
-            self.fd = fd
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "command": command}
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            self.lock = ProcessLock(path)
+        except Held as e:
+            if e.this_process:
+                raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder} (this process)") from None
+            raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder}; wait for it to finish "
+                          f"or stop it (its lock, {path}, is released when that process exits), or choose "
+                          "another --train.name") from None
+        except OSError as e:
+            raise _os_error(self.run_dir, e, "lock") from None
+        try:
+            self.lock.write_holder()
         except OSError:  # only the refusal message of another trainer reads it ("another process")
             pass
 
     def release(self) -> None:
-        with _GUARD:  # closed before the key is freed: a new lock of the directory cannot open it in between
-            if self.fd is None:
-                return
-            os.close(self.fd)  # releases the record lock
-            self.fd = None
-            del _HELD[self.key]
-
-    def __del__(self):  # a Trainer dropped without running (tests): its lock goes with it
-        if getattr(self, "fd", None) is not None:
-            self.release()
+        self.lock.release()
 
 
 def on_main(accelerator, action, *args):
