@@ -118,11 +118,9 @@ def test_gpu_suite_stops_a_section_at_its_limit_and_skips_past_the_deadline(tmp_
     """With GPU_SUITE_LIMIT_S=2 the runner section is stopped at 2 s (its workers too) and recorded as stopped, not
     failed; with GPU_SUITE_DEADLINE_S=41 (20 s kept for the bundle) the next section has under 20 s and is skipped;
     the suite still writes tables.md and results.json with both statuses and ends with status 0."""
-    t = time.monotonic()
     proc, out = _suite(tmp_path, "--smoke", GPU_SUITE_SECTIONS="runner step", GPU_SUITE_LIMIT_S="2",
                        GPU_SUITE_DEADLINE_S="41")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert time.monotonic() - t < 40
     tables = (out / "tables.md").read_text()
     assert "STOPPED runner at its limit of 2 s" in _part(tables, "runner")
     assert "SKIPPED step: the suite's deadline (41 s) leaves" in _part(tables, "step")
