@@ -18,7 +18,7 @@ main: $(STAMP)
 	$(VENV)/bin/musiclm-stab quickstart
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile  # two workers, each file on one (pytest-xdist)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check musiclm_stab tests data benchmarks  # recipes/ is musiclm_stab/recipes
