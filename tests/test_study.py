@@ -315,6 +315,24 @@ def test_machine_names_the_cpu_and_the_kernels_in_use():
     assert there == {**here, "cpu_capability": "DEFAULT"}
 
 
+def test_a_run_carried_to_another_folder_is_the_same_run_there(tmp_path):
+    """same_config compares what a run trained with, not where it trained: a config.yaml written under one
+    --runs folder (train.output_dir) is the plan's run in another one, so an unpacked archive of carried runs is
+    read there, not refused; any other setting differing (here the lr) is still another config."""
+    from musiclm_stab.experiments.launch import run_state
+
+    made_at = plan_study("cpu", tmp_path / "where_it_trained", data="work/t", design="instability").runs[0].config()
+    here = plan_study("cpu", tmp_path / "unpacked", data="work/t", design="instability").runs[0].config()
+    assert made_at.train.output_dir != here.train.output_dir and made_at.run_dir.name == here.run_dir.name
+    here.run_dir.mkdir(parents=True)
+    (here.run_dir / "config.yaml").write_text(yaml.safe_dump(made_at.to_dict()))
+    assert same_config(here.run_dir, here) and run_state(here) == "partial"  # the plan's run, no metrics yet
+    other = made_at.to_dict()
+    other["optim"]["lr"] *= 2
+    (here.run_dir / "config.yaml").write_text(yaml.safe_dump(other))
+    assert not same_config(here.run_dir, here) and run_state(here) == "other"
+
+
 def test_carry_copies_finished_runs_without_checkpoints_and_refuses_a_mismatch(tmp_path, capsys):
     """carry_study: the finished runs (with study_time.json) and their probe, not checkpoints or an unfinished
     run; refused, with nothing copied, towards a study on other codes or over a run of another config."""

@@ -152,11 +152,16 @@ def launch_command(configs: Sequence[str | Path], overrides: Sequence[str] = (),
 def same_config(run_dir: Path, cfg: Config) -> bool:
     """Whether the run in ``run_dir`` has ``cfg``: its config.yaml read back as the run had it (settings added
     since the run was made take the value that means what the run did: ``config_from_run``), compared
-    setting for setting. An unreadable config.yaml is another config."""
+    setting for setting, except ``train.output_dir``: the folder that held the run when it trained, not what
+    it trained with, so a run carried to another folder or machine is still the same run there. An unreadable
+    config.yaml is another config."""
     try:
-        return config_from_run(run_dir).to_dict() == cfg.to_dict()
+        theirs, ours = config_from_run(run_dir).to_dict(), cfg.to_dict()
     except ConfigError:
         return False
+    for d in (theirs, ours):
+        d["train"].pop("output_dir", None)
+    return theirs == ours
 
 
 def run_state(cfg: Config) -> str:
