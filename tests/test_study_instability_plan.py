@@ -64,3 +64,44 @@ def test_instability_arms_steps_and_refusals(tmp_path, capsys):
     assert "recipes/overlays/instability_cpu.yaml" in lines[0]
     saved = yaml.safe_load(yaml.safe_dump(mert.runs[0].config().to_dict()))
     assert saved["optim"]["frontend_lr"] is None
+
+
+def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(tmp_path):
+    """docs/instability_cpu/runs.tar.xz carries the study's finished runs as they come in (it runs in pieces):
+    each is a run of the registered plan (arm schemes in instability_cpu/, arm mert-frontend at seed 0 in
+    instability_cpu_mert_frontend/) with exactly the plan's config, trained to its last step or ended by the
+    loss-scale floor, timed, each folder on the codes its data.json names; nothing else is in it."""
+    import json
+    import re
+    import tarfile
+    from pathlib import Path
+
+    from musiclm_stab.analysis.runs import read_run
+    from musiclm_stab.experiments.launch import same_config
+
+    archive = Path(__file__).resolve().parent.parent / "docs" / "instability_cpu" / "runs.tar.xz"
+    data = "/work/v3work/hours256_tokens"  # the path the runs trained on (recorded in each config.yaml)
+    planned = {}
+    for arm, seeds in (("schemes", None), ("mert-frontend", 1)):
+        for r in plan_study("cpu", tmp_path, data=data, design="instability", arm=arm, seeds=seeds).runs:
+            cfg = r.config()
+            planned[(cfg.run_dir.parent.name, cfg.run_dir.name)] = cfg
+    assert len(planned) == 180 + 30
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    folders = {n.split("/")[0] for n in names}
+    assert "instability_cpu" in folders and folders <= {"instability_cpu", "instability_cpu_mert_frontend"}
+    carried = []
+    for folder in sorted(folders):
+        assert re.fullmatch(r"[0-9a-f]{64}", json.loads((tmp_path / folder / "data.json").read_text())["codes_sha256"])
+        carried += [d for d in sorted((tmp_path / folder).iterdir()) if d.is_dir()]
+    assert carried and all((d.parent.name, d.name) in planned for d in carried)
+    for d in carried:
+        assert sorted(f.name for f in d.iterdir()) == ["config.yaml", "metrics.jsonl", "study_time.json",
+                                                       "tokenizer.json"], d
+        assert json.loads((d / "study_time.json").read_text())["wall_s"] > 0, d
+        cfg = planned[(d.parent.name, d.name)]
+        assert same_config(d, cfg), d
+        run = read_run(d)
+        assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
