@@ -368,6 +368,9 @@ def test_carry_copies_finished_runs_without_checkpoints_and_refuses_a_mismatch(t
         ["data.json", "a_s0/probe/probe.json", *(f"{r}/{f}" for r in ("a_s0", "b_s0") for f in
                                                  ("config.yaml", "metrics.jsonl", "tokenizer.json", "study_time.json"))])
     assert carry_study(here, dest) == [dest / "a_s0", dest / "b_s0"]  # again: the same runs, overwritten
+    # the same run at dest, trained in another folder (an unpacked archive carried on): the same run
+    (dest / "b_s0" / "config.yaml").write_text(yaml.safe_dump({"train": {"name": "b_s0", "output_dir": "/elsewhere"}}))
+    assert carry_study(here, dest) == [dest / "a_s0", dest / "b_s0"]
     (here / "b_s0" / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="lacks tokenizer.json"):
         carry_study(here, dest)

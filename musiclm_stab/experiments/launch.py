@@ -156,12 +156,16 @@ def same_config(run_dir: Path, cfg: Config) -> bool:
     it trained with, so a run carried to another folder or machine is still the same run there. An unreadable
     config.yaml is another config."""
     try:
-        theirs, ours = config_from_run(run_dir).to_dict(), cfg.to_dict()
+        return trained_with(config_from_run(run_dir).to_dict()) == trained_with(cfg.to_dict())
     except ConfigError:
         return False
-    for d in (theirs, ours):
-        d["train"].pop("output_dir", None)
-    return theirs == ours
+
+
+def trained_with(config: dict) -> dict:
+    """A run's settings (a config as a dict) less ``train.output_dir``, the folder the run was in when it
+    trained: what tells two runs apart wherever they are carried."""
+    train = {k: v for k, v in (config.get("train") or {}).items() if k != "output_dir"}
+    return {**config, "train": train}
 
 
 def run_state(cfg: Config) -> str:

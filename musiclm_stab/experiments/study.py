@@ -55,6 +55,7 @@ from musiclm_stab.experiments.launch import (
     data_name,
     default_data,
     run_state,
+    trained_with,
 )
 from musiclm_stab.experiments.study_codes import (
     DATA_RECORD,
@@ -259,7 +260,8 @@ def carry_study(folder: Path, dest: Path) -> list[Path]:
         if missing:
             raise ConfigError(f"{d} is finished but lacks {', '.join(missing)}")
         other = dest / d.name / "config.yaml"
-        if other.is_file() and yaml.safe_load(other.read_text()) != yaml.safe_load((d / "config.yaml").read_text()):
+        if other.is_file() and (trained_with(yaml.safe_load(other.read_text()) or {})
+                                != trained_with(yaml.safe_load((d / "config.yaml").read_text()) or {})):
             raise ConfigError(f"{other.parent} holds a run with another config than {d}: not overwritten")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / DATA_RECORD).write_text(json.dumps(record, indent=1) + "\n")
