@@ -136,6 +136,35 @@ def test_endpoints_of_run_directories_and_the_claims_files(tmp_path):
     assert cli_main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x"), "--unigram", "9.3"]) == 2
 
 
+def test_describe_writes_failures_of_every_run_and_decides_nothing(tmp_path):
+    """--describe (the mert-frontend arm: one seed, outside the claims) writes failures.md/json with every
+    run of the six configurations, complete blocks or not, its dead and diverged runs by kind and step, and
+    no controls or claims; --describe with --doc is refused."""
+    rng = np.random.default_rng(1)
+    root = tmp_path / "mert"
+    for lr in (1e-3, 3e-3):
+        for role in ROLES6:
+            if (role, lr) == ("relax", 3e-3):
+                continue  # an incomplete block is described too
+            write_run(root, role, lr, 0, rows_of(rng, dies=lr == 3e-3 and role != "deepnorm",
+                                                 diverges_at=12 if (role, lr) == ("deepnorm", 3e-3) else None))
+    assert cli_main([str(root), "--out", str(tmp_path / "out"), "--unigram", "9.3", "--describe"]) == 0
+    md = (tmp_path / "out" / "failures.md").read_text()
+    assert "nothing here is decided" in md and "### Failures by configuration and learning rate" in md
+    assert "controls" not in md and "Holm" not in md and not (tmp_path / "out" / "claims.md").exists()
+    assert "| Post-Norm, clip 1 | 3e-3 | 0 of 1 | 0 | 1 (20) |" in md
+    assert "| Post-Norm DeepNorm, clip 1 | 3e-3 | 0 of 1 | 1 (12) | 0 |" in md
+    saved = json.loads((tmp_path / "out" / "failures.json").read_text())
+    kinds = {(r["role"], r["lr"]): r["kind"] for r in saved["runs"]}
+    assert len(kinds) == 11 and ("relax", 0.003) not in kinds
+    assert kinds[(POST, 0.003)] == "dead input" and kinds[("clip10", 0.001)] == "none"
+    assert saved["configurations"]["relax"]["largest_lr_that_learns"] == 0.001
+    assert saved["configurations"]["deepnorm"]["largest_lr_that_learns"] == 0.001
+    with pytest.raises(SystemExit) as refused:
+        cli_main([str(root), "--out", str(tmp_path / "x"), "--describe", "--doc", str(tmp_path / "d.md")])
+    assert refused.value.code == 2
+
+
 def test_committed_power_table_recomputes():
     """docs/instability_cpu/power.json (the design's power, committed before its runs) is what the simulation
     gives again: the 6-seed cells recomputed alone from their own generators, and the table's markdown."""

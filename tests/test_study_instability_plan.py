@@ -49,6 +49,7 @@ def test_instability_arms_steps_and_refusals(tmp_path, capsys):
     design are refused; --print-only prints the instability launch lines."""
     mert = plan_study("cpu", tmp_path, data="x", design="instability", seeds=1, lrs=(3e-2,), arm="mert-frontend")
     assert mert.figures_dir.parent.name == "instability_cpu_mert_frontend"
+    assert mert.arm == "mert-frontend"  # run_study describes it (instability.write_failures), decides nothing
     assert all(r.config().optim.frontend_lr is None for r in mert.runs)
     short = plan_study("cpu", tmp_path, data="x", design="instability", seeds=1, lrs=(3e-2,), steps=40).runs[0].config()
     assert (short.train.max_steps, short.train.eval_every, short.train.diagnostics_every, short.optim.warmup_steps) == (

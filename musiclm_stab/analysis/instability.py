@@ -3,6 +3,10 @@ and the two controls. Fixed, with its parameters, before the study's runs (docs/
 instability study").
 
     python -m musiclm_stab.analysis.instability RUN_DIR_OR_FOLDER ... --out DIR [--unigram BITS] [--doc MD]
+    python -m musiclm_stab.analysis.instability RUN_DIR_OR_FOLDER ... --out DIR [--unigram BITS] --describe
+
+The second form decides nothing: it writes the failures by configuration and lr of every run (failures.md,
+failures.json), for an arm outside the claims (``mert-frontend``: one seed, MERT's own frontend lr).
 
 Runs and blocks. The six configurations (``ROLES6``): the seed figures' four (``claim_stats.ROLES``),
 Pre-Norm clip 1 with QK-Norm (``qknorm``) and plain Post-Norm clip 1 (``post``, the positive control). A
@@ -416,15 +420,20 @@ def markdown(result: dict) -> str:
     if blocks.incomplete:
         lines.append("Incomplete blocks, not used: " + "; ".join(
             f"lr {lr_text(lr)} seed {s} ({', '.join(have) or 'nothing'})" for (lr, s), have in blocks.incomplete.items()) + ".")
+    return "\n".join(lines + ["", *failures_markdown(result)]) + "\n"
+
+
+def failures_markdown(result: dict) -> list[str]:
+    """The failures by configuration and lr, and each configuration's LR sensitivity (``grid_of``)."""
     levels = result.get("levels") or {}
     unigram = levels.get("unigram_eval_cb0")
-    lines += ["", "### Failures by configuration and learning rate", "",
-              (f"Held-out unigram level (codebook 0): {unigram:.3f} bits; " if unigram is not None else "")
-              + ("stalls not assessed (no margin given)." if levels.get("stall_margin") is None else
-                 f"a run within {levels['stall_margin']:g} bits of it at the end is stalled."), "",
-              "| configuration | lr | learned | diverged (steps) | dead input (steps) | stalled | final held-out cb0 "
-              "of those that learned (n) | cascades | largest fp16 headroom, max abs / 65504 |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["### Failures by configuration and learning rate", "",
+             (f"Held-out unigram level (codebook 0): {unigram:.3f} bits; " if unigram is not None else "")
+             + ("stalls not assessed (no margin given)." if levels.get("stall_margin") is None else
+                f"a run within {levels['stall_margin']:g} bits of it at the end is stalled."), "",
+             "| configuration | lr | learned | diverged (steps) | dead input (steps) | stalled | final held-out cb0 "
+             "of those that learned (n) | cascades | largest fp16 headroom, max abs / 65504 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["grid"]:
         k = row["kinds"]
         steps = {kind: f"{len(v)} ({', '.join(str(s) for s in v)})" if v else "0" for kind, v in k.items()}
@@ -438,7 +447,7 @@ def markdown(result: dict) -> str:
         sens, top = s["lr_sensitivity"], s["largest_lr_that_learns"]
         lines.append(f"| {TITLES[role]} | {_num(sens['S'])} [{_num(sens['ci95'][0])}, {_num(sens['ci95'][1])}] | "
                      f"{_num(sens['cap'])} | {lr_text(top) if top is not None else 'none'} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def to_json(result: dict) -> dict:
@@ -473,6 +482,29 @@ def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Pat
     return md, js
 
 
+def write_failures(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path, unigram_eval_cb0: float | None,
+                   stall_margin: float | None = None) -> tuple[Path, Path]:
+    """Describe ``run_dirs`` without deciding anything: failures.md and failures.json in ``out_dir``, the
+    failures by configuration and lr of every run of the six configurations, complete blocks or not (the arm
+    ``mert-frontend``: one seed, descriptive, not in the claims)."""
+    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
+    runs += [read_run(d, "bits") for d in find_run_dirs([r for r in run_dirs if not isinstance(r, RunMetrics)])]
+    ends = [endpoints(r, unigram_eval_cb0, stall_margin) for r in runs]
+    known = [e for e in ends if e.role is not None]
+    if not known:
+        raise ValueError("no run of the six configurations (" + ", ".join(ROLES6) + ")")
+    result = {**grid_of(known), "levels": {"unigram_eval_cb0": unigram_eval_cb0, "stall_margin": stall_margin}}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "failures.md", out / "failures.json"
+    md.write_text("\n".join(["Descriptive: where each configuration failed, by kind and step; nothing here is "
+                             "decided (no claims, no tests).", "", *failures_markdown(result)]) + "\n")
+    js.write_text(json.dumps({"run_dirs": [str(r.path) for r in runs], **_plain(result),
+                              "ignored": [e.path for e in ends if e.role is None],
+                              "runs": [_plain(e) for e in known]}, indent=2) + "\n")
+    return md, js
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.instability",
                                 description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
@@ -484,11 +516,17 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="also find stalled runs: a final held-out cb0 within BITS of the unigram level (needs "
                         "--unigram; not assessed by default: docs/STUDY.md)")
     p.add_argument("--doc", metavar="MD", help="also put the table into this file, between its markers")
+    p.add_argument("--describe", action="store_true",
+                   help="decide nothing: failures.md and failures.json, the failures by configuration and lr of "
+                        "every run (an arm outside the claims, such as mert-frontend)")
     args = p.parse_args(argv)
+    if args.stall_margin is not None and args.unigram is None:
+        p.error("--stall-margin needs --unigram")
+    if args.describe and args.doc:
+        p.error("--doc takes the claims table: not with --describe")
     try:
-        if args.stall_margin is not None and args.unigram is None:
-            p.error("--stall-margin needs --unigram")
-        md, _ = write_claims(args.run_dirs, args.out, args.unigram, args.stall_margin)
+        write = write_failures if args.describe else write_claims
+        md, _ = write(args.run_dirs, args.out, args.unigram, args.stall_margin)
         if args.doc:
             fill_doc(args.doc, md.read_text(), DOC_BEGIN, DOC_END)
     except (FileNotFoundError, ValueError) as e:

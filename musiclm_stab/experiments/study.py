@@ -308,6 +308,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     """
     from musiclm_stab.analysis.claims import write_claims
     from musiclm_stab.analysis.instability import write_claims as write_instability_claims
+    from musiclm_stab.analysis.instability import write_failures
     from musiclm_stab.analysis.lr_figure import save_lr_figure
     from musiclm_stab.analysis.plot import plot_runs, run_label
     from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
@@ -423,7 +424,9 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
     try:
-        claims = write_instability_claims if study.design == "instability" else write_claims
+        claims = write_claims
+        if study.design == "instability":  # an arm outside the claims is described, not decided
+            claims = write_instability_claims if study.arm == "schemes" else write_failures
         md, js = claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
         written += [md, js]
         print("\n" + md.read_text())

@@ -121,6 +121,7 @@ class Study:
     seeds: list[int] = field(default_factory=lambda: [0])
     lrs: tuple[float, ...] = ()
     design: str = "claims"  # DESIGNS
+    arm: str = "schemes"  # ARMS (the instability design's)
 
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
@@ -244,7 +245,7 @@ def plan_study(
             raise ValueError(f"only={list(only)}: no run of the plan is of these configurations (the control runs "
                              f"at the grid's top {CONTROL_LRS} rates only)")
     figures = out / "figures" if scale != "full" else runs_dir / FULL_FIGURES
-    study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid, design)
+    study = Study(scale, runs, figures, order, list(range(first_seed, first_seed + n_seeds)), grid, design, arm)
     for run in runs:
         run.config()  # fail now, before hours of training, if any override is wrong
     return study
