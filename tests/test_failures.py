@@ -126,3 +126,28 @@ def test_summary_row_names_the_failure_its_step_headroom_and_lr():
     assert (healthy["failure"], healthy["failure_step"]) == ("none", None)
     gpu = summarize(REPO / "docs" / "study_gpu" / "runs" / "study_prenorm_clip1_run2_gpu_lr1.5e-2_s0")
     assert (gpu["failure"], gpu["failure_step"], gpu["overflow_steps"]) == ("diverged", 39, 21)
+
+
+def test_a_design_that_assesses_no_stalls_finds_none_in_its_rows_or_lr_figure(tmp_path):
+    """The instability design assesses no stalls (its analysis does not): its study's summary rows and lr
+    figure mark a run at the unigram level as such only where the design assesses stalls (the claims
+    design), so a healthy run is not drawn as a failed one."""
+    import matplotlib.pyplot as plt
+
+    from musiclm_stab.analysis.lr_figure import lr_figure
+    from musiclm_stab.analysis.runs import read_run
+    from musiclm_stab.experiments.study import summarize
+    from musiclm_stab.experiments.study_plan import plan_study
+
+    assert not plan_study("cpu", tmp_path, data="x", design="instability", seeds=1, lrs=(1e-2,)).assesses_stalls
+    assert plan_study("cpu", tmp_path, data="x", seeds=1, lrs=(1e-3,)).assesses_stalls
+    healthy = CPU_RUNS / "study_prenorm_clip10_run1_tiny_lr1e-3_s0"
+    level = summarize(healthy)["final_eval_cb0"] + 0.01  # a unigram level its final loss is not 0.05 below
+    assert summarize(healthy, unigram_eval_cb0=level)["failure"] == "stalled"
+    assert summarize(healthy, unigram_eval_cb0=level, stalls=False)["failure"] == "none"
+    run = read_run(healthy, "bits")
+    for stalls, marks in ((True, ["stalled:" + run.label]), (False, [])):
+        fig = lr_figure([run], level, stalls=stalls)
+        assert [a.get_gid() for a in fig.axes[0].lines if a.get_gid()] == marks
+        assert any(line.get_label().startswith("Unigram level") for line in fig.axes[0].lines)  # drawn either way
+        plt.close(fig)

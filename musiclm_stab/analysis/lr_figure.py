@@ -79,10 +79,11 @@ def lr_failures(runs: Sequence[RunMetrics], unigram_eval_cb0: float | None = Non
     return table
 
 
-def lr_figure(runs: Sequence[RunMetrics | str | Path], unigram_eval_cb0: float | None = None) -> Figure:
+def lr_figure(runs: Sequence[RunMetrics | str | Path], unigram_eval_cb0: float | None = None,
+              stalls: bool = True) -> Figure:
     """The figure (module docstring) of ``runs``, losses in bits."""
     runs = [r.in_unit("bits") if isinstance(r, RunMetrics) else read_run(r, "bits") for r in runs]
-    table, kinds = lr_table(runs), lr_failures(runs, unigram_eval_cb0)
+    table, kinds = lr_table(runs), lr_failures(runs, unigram_eval_cb0 if stalls else None)
     fig = Figure(figsize=FIGSIZE, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -140,9 +141,10 @@ def lr_figure(runs: Sequence[RunMetrics | str | Path], unigram_eval_cb0: float |
 
 
 def save_lr_figure(runs: Sequence[RunMetrics | str | Path], out_dir: str | Path, unigram_eval_cb0: float | None = None,
-                   formats: Sequence[str] = ("png", "pdf")) -> list[Path]:
-    """``lr_sensitivity.<format>`` in ``out_dir``; returns the written files."""
-    fig = lr_figure(runs, unigram_eval_cb0)
+                   formats: Sequence[str] = ("png", "pdf"), stalls: bool = True) -> list[Path]:
+    """``lr_sensitivity.<format>`` in ``out_dir``; returns the written files. ``stalls`` False: the unigram
+    level is drawn but no run is marked stalled (a design that does not assess stalls)."""
+    fig = lr_figure(runs, unigram_eval_cb0, stalls)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

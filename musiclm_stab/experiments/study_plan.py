@@ -123,6 +123,13 @@ class Study:
     design: str = "claims"  # DESIGNS
     arm: str = "schemes"  # ARMS (the instability design's)
 
+    @property
+    def assesses_stalls(self) -> bool:
+        """Whether its summary rows and figures find stalled runs: not in the instability design, at whose 120
+        steps a healthy run ends at the unigram level too (its pilots: none below it), so a stall cannot be
+        told from a run that learns; its analysis (analysis/instability.py) assesses none either."""
+        return self.design != "instability"
+
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
 
