@@ -3,7 +3,11 @@ of its grid, overlays, arms and folder names, and how its runs read as roles (an
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
+import tarfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,6 +23,9 @@ from musiclm_stab.experiments.study_plan import (
     figure_runs,
     plan_study,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "instability_cpu"
 
 
 def test_instability_plan_runs_six_configurations_at_every_rate(tmp_path):
@@ -67,20 +74,23 @@ def test_instability_arms_steps_and_refusals(tmp_path, capsys):
     assert saved["optim"]["frontend_lr"] is None
 
 
-def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(tmp_path):
+@pytest.fixture(scope="module")
+def carried(tmp_path_factory) -> Path:
+    """docs/instability_cpu/runs.tar.xz unpacked once for this module's tests."""
+    root = tmp_path_factory.mktemp("carried")
+    with tarfile.open(DOCS / "runs.tar.xz") as tar:
+        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    return root
+
+
+def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(carried, tmp_path):
     """docs/instability_cpu/runs.tar.xz carries the study's finished runs as they come in (it runs in pieces):
     each is a run of the registered plan (arm schemes in instability_cpu/, arm mert-frontend at seed 0 in
     instability_cpu_mert_frontend/) with exactly the plan's config, trained to its last step or ended by the
     loss-scale floor, timed, each folder on the codes its data.json names; nothing else is in it."""
-    import json
-    import re
-    import tarfile
-    from pathlib import Path
-
     from musiclm_stab.analysis.runs import read_run
     from musiclm_stab.experiments.launch import same_config
 
-    archive = Path(__file__).resolve().parent.parent / "docs" / "instability_cpu" / "runs.tar.xz"
     data = "/work/v3work/hours256_tokens"  # the path the runs trained on (recorded in each config.yaml)
     planned = {}
     for arm, seeds in (("schemes", None), ("mert-frontend", 1)):
@@ -88,17 +98,14 @@ def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(t
             cfg = r.config()
             planned[(cfg.run_dir.parent.name, cfg.run_dir.name)] = cfg
     assert len(planned) == 180 + 30
-    with tarfile.open(archive) as tar:
-        names = tar.getnames()
-        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
-    folders = {n.split("/")[0] for n in names}
+    folders = {d.name for d in carried.iterdir()}
     assert "instability_cpu" in folders and folders <= {"instability_cpu", "instability_cpu_mert_frontend"}
-    carried = []
+    runs = []
     for folder in sorted(folders):
-        assert re.fullmatch(r"[0-9a-f]{64}", json.loads((tmp_path / folder / "data.json").read_text())["codes_sha256"])
-        carried += [d for d in sorted((tmp_path / folder).iterdir()) if d.is_dir()]
-    assert carried and all((d.parent.name, d.name) in planned for d in carried)
-    for d in carried:
+        assert re.fullmatch(r"[0-9a-f]{64}", json.loads((carried / folder / "data.json").read_text())["codes_sha256"])
+        runs += [d for d in sorted((carried / folder).iterdir()) if d.is_dir()]
+    assert runs and all((d.parent.name, d.name) in planned for d in runs)
+    for d in runs:
         assert sorted(f.name for f in d.iterdir()) == ["config.yaml", "metrics.jsonl", "study_time.json",
                                                        "tokenizer.json"], d
         assert json.loads((d / "study_time.json").read_text())["wall_s"] > 0, d
@@ -106,3 +113,48 @@ def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(t
         assert same_config(d, cfg), d
         run = read_run(d)
         assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
+
+
+def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_is(carried, tmp_path):
+    """docs/instability_cpu/figures/ holds what the study drew and decided from all 180 runs of arm schemes:
+    claims.md and claims.json are what analysis.instability computes again from the archive; summary.json
+    gives every run its failure kind and step (no stalls: the design assesses none), its fp16 headroom and
+    its lr; docs/STUDY.md carries the table between its markers, states the positive control's outcome before
+    the claims and each claim's verdict, and the README quotes them."""
+    from musiclm_stab.analysis.failures import KINDS
+    from musiclm_stab.analysis.instability import DOC_BEGIN, DOC_END, write_claims
+
+    figures = DOCS / "figures"
+    claims = json.loads((figures / "claims.json").read_text())
+    planned = {r.config().run_dir.name for r in plan_study("cpu", tmp_path, data="x", design="instability").runs}
+    assert len(planned) == 180 and sorted(Path(d).name for d in claims["run_dirs"]) == sorted(planned)
+    md, js = write_claims([carried / "instability_cpu"], tmp_path / "again", claims["levels"]["unigram_eval_cb0"])
+    assert md.read_text() == (figures / "claims.md").read_text()
+    again = json.loads(js.read_text())
+    for d in (again, claims):
+        d["run_dirs"] = sorted(Path(p).name for p in d["run_dirs"])
+        for r in d["runs"]:
+            r["path"] = Path(r["path"]).name
+    assert again == claims
+    summary = json.loads((figures / "summary.json").read_text())
+    assert sorted(r["run"] for r in summary) == sorted(planned)
+    grid = set(INSTABILITY_GRIDS["cpu"])
+    for r in summary:
+        assert r["failure"] in KINDS and r["failure"] != "stalled" and r["lr"] in grid, r["run"]
+        assert (r["failure_step"] is None) == (r["failure"] == "none"), r["run"]
+        assert {"attn_logit", "residual", "frontend"} <= set(r["headroom"]) or r["failure"] == "diverged", r["run"]
+    text = (REPO / "docs" / "STUDY.md").read_text()
+    table = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
+    assert table.strip() == (figures / "claims.md").read_text().strip()
+    result = text.split("### The result: arm `schemes`, all 180 runs", 1)[1]
+    detects = claims["controls"]["detects"]
+    control = "**The positive control detects its effect.**" if detects else (
+        "**The positive control does not detect its effect.**")
+    assert result.index(control) < result.index(DOC_BEGIN) < result.index("**The claims**")
+    for c in claims["claims"]:
+        assert f"- ({c['key']}) **{c['verdict']}**" in result, c["key"]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert ("positive control **detects**" if detects else "positive control **does not detect**") in readme
+    verdicts = {c["key"]: c["verdict"] for c in claims["claims"]}
+    assert verdicts == {"a": "refuted", "b": "inconclusive", "c": "inconclusive", "d": "inconclusive"}
+    assert "Claim (a) is **refuted** again" in readme and "(b), (c), (d) **inconclusive**" in readme
