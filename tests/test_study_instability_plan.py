@@ -158,3 +158,27 @@ def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_
     verdicts = {c["key"]: c["verdict"] for c in claims["claims"]}
     assert verdicts == {"a": "refuted", "b": "inconclusive", "c": "inconclusive", "d": "inconclusive"}
     assert "Claim (a) is **refuted** again" in readme and "(b), (c), (d) **inconclusive**" in readme
+
+
+def test_the_mert_frontend_arm_is_described_from_the_archive_and_quoted_as_it_is(carried, tmp_path):
+    """docs/instability_cpu/figures_mert_frontend/ describes all 30 runs of arm mert-frontend (seed 0, the
+    frontend at the run's lr) without deciding anything: failures.md and failures.json are what
+    analysis.instability --describe computes again from the archive, and docs/STUDY.md quotes its failures."""
+    from musiclm_stab.analysis.instability import write_failures
+
+    figures = DOCS / "figures_mert_frontend"
+    described = json.loads((figures / "failures.json").read_text())
+    planned = {r.config().run_dir.name for r in plan_study("cpu", tmp_path, data="x", design="instability",
+                                                           arm="mert-frontend", seeds=1).runs}
+    assert len(planned) == 30 and sorted(Path(d).name for d in described["run_dirs"]) == sorted(planned)
+    assert not (figures / "claims.md").exists() and not (figures / "claims.json").exists()
+    md, _ = write_failures([carried / "instability_cpu_mert_frontend"], tmp_path / "again",
+                           described["levels"]["unigram_eval_cb0"])
+    assert md.read_text() == (figures / "failures.md").read_text()
+    text = (REPO / "docs" / "STUDY.md").read_text().split("### Arm `mert-frontend`: described, not decided", 1)[1]
+    kinds = {}
+    for r in described["runs"]:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    section = " ".join(text.split("###", 1)[0].split())
+    for kind, n in kinds.items():
+        assert f"{n} {kind}" in section, kind
