@@ -63,7 +63,7 @@ from musiclm_stab.analysis.sweep_report import lr_text
 
 __all__ = ["CLIP_SHARE_MIN", "DOC_BEGIN", "DOC_END", "MIN_BLOCKS", "ROLES", "ROLE_TITLES", "Blocks",
            "analyse", "claims_of", "claims_table", "cli_main", "codes_lines", "codes_of_blocks", "control_of", "fill_doc",
-           "find_run_dirs", "markdown", "probe_score", "role_of", "run_codes", "runs_by_block", "study_blocks", "to_json",
+           "find_run_dirs", "markdown", "probe_score", "read_runs", "role_of", "run_codes", "runs_by_block", "study_blocks", "to_json",
            "used_runs", "write_claims"]
 
 CLIP_SHARE_MIN = 0.2
@@ -370,14 +370,19 @@ def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
     return found
 
 
+def read_runs(run_dirs: Sequence[str | Path | RunMetrics]) -> list[RunMetrics]:
+    """``run_dirs`` (run directories, folders of them, or RunMetrics) as RunMetrics, losses in bits: the given
+    RunMetrics as they are, then every run directory found under the paths (``find_run_dirs``)."""
+    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
+    return runs + [read_run(d, "bits") for d in find_run_dirs([r for r in run_dirs if not isinstance(r, RunMetrics)])]
+
+
 def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path,
                  unigram_eval_cb0: float | None = None) -> tuple[Path, Path]:
     """Test the claims on ``run_dirs`` (run directories, folders of them, or RunMetrics); write
     ``claims.md`` and ``claims.json`` (every number of the markdown; NaN as null, infinities as
     "inf"/"-inf") into ``out_dir``. ``unigram_eval_cb0``: the unigram level (bits) of the "learns" check."""
-    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
-    paths = [r for r in run_dirs if not isinstance(r, RunMetrics)]
-    runs += [read_run(d, "bits") for d in find_run_dirs(paths)]
+    runs = read_runs(run_dirs)
     result = analyse([run_stats(r) for r in runs], unigram_eval_cb0, run_codes([r.path for r in runs]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -95,13 +95,13 @@ from musiclm_stab.analysis.claims import (
     _plain,
     claims_table,
     fill_doc,
-    find_run_dirs,
     part_text,
+    read_runs,
     runs_by_block,
 )
 from musiclm_stab.analysis.decide import ALPHA, Claim, Part, decide
 from musiclm_stab.analysis.failures import STALL_MARGIN, cascades, failure
-from musiclm_stab.analysis.runs import RunMetrics, read_run
+from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.analysis.sweep_report import lr_sensitivity, lr_text
 
 POST = "post"
@@ -470,8 +470,7 @@ def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Pat
                  stall_margin: float | None = None) -> tuple[Path, Path]:
     """Analyse ``run_dirs`` (run directories, folders of them, or RunMetrics); write claims.md and claims.json
     (every number of the markdown; NaN as null, infinities as "inf"/"-inf") into ``out_dir``."""
-    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
-    runs += [read_run(d, "bits") for d in find_run_dirs([r for r in run_dirs if not isinstance(r, RunMetrics)])]
+    runs = read_runs(run_dirs)
     result = analyse([endpoints(r, unigram_eval_cb0, stall_margin) for r in runs])
     result["levels"] = {"unigram_eval_cb0": unigram_eval_cb0, "stall_margin": stall_margin}
     out = Path(out_dir)
@@ -487,8 +486,7 @@ def write_failures(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | P
     """Describe ``run_dirs`` without deciding anything: failures.md and failures.json in ``out_dir``, the
     failures by configuration and lr of every run of the six configurations, complete blocks or not (the arm
     ``mert-frontend``: one seed, descriptive, not in the claims)."""
-    runs = [r for r in run_dirs if isinstance(r, RunMetrics)]
-    runs += [read_run(d, "bits") for d in find_run_dirs([r for r in run_dirs if not isinstance(r, RunMetrics)])]
+    runs = read_runs(run_dirs)
     ends = [endpoints(r, unigram_eval_cb0, stall_margin) for r in runs]
     known = [e for e in ends if e.role is not None]
     if not known:
