@@ -158,6 +158,16 @@ def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_
     verdicts = {c["key"]: c["verdict"] for c in claims["claims"]}
     assert verdicts == {"a": "refuted", "b": "inconclusive", "c": "inconclusive", "d": "inconclusive"}
     assert "Claim (a) is **refuted** again" in readme and "(b), (c), (d) **inconclusive**" in readme
+    # the count the README and STUDY.md give for (a) is the archive's: blocks where clip 1 was faster early, of
+    # those (a) used (the table's "n 18 of 18" counts the blocks used, not their signs)
+    by_block: dict = {}
+    for r in claims["runs"]:
+        by_block.setdefault((r["lr"], r["seed"]), {})[r["role"]] = r
+    used = [b for b in by_block.values() if b["clip1"]["kind"] == b["clip10"]["kind"] == "none"
+            and b["clip1"]["clip_share_early"] >= 0.2]
+    faster = sum(b["clip1"]["early_loss"] < b["clip10"]["early_loss"] for b in used)
+    assert f"clip 1 faster early in {faster} of {len(used)} blocks" in readme
+    assert f"in {faster} of the {len(used)} blocks where neither failed" in " ".join(result.split())
 
 
 def test_the_mert_frontend_arm_is_described_from_the_archive_and_quoted_as_it_is(carried, tmp_path):
