@@ -80,6 +80,7 @@ import numpy as np
 from musiclm_stab.analysis.claim_stats import (
     ATTN_LOGIT,
     ROLES,
+    SpikeEvent,
     block_of,
     diverged,
     final_eval_cb0,
@@ -211,9 +212,11 @@ def headroom_of(run: RunMetrics) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: float | None = None) -> Endpoints:
+def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: float | None = None,
+              spikes: list[SpikeEvent] | None = None) -> Endpoints:
     """Every per-run endpoint of ``run`` (module docstring); ``stall_margin`` (bits, with the unigram level):
-    also find stalled runs."""
+    also find stalled runs; ``spikes``: the run's spike events when the caller has them (spike_events of the
+    run in bits), not found again."""
     run = run.in_unit("bits")
     cfg = run.config
     lr, seed = block_of(cfg)
@@ -226,7 +229,7 @@ def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: flo
         path=str(run.path), role=role6(cfg), lr=lr, seed=seed, precision=precision_of(cfg), kind=found.kind,
         kind_step=found.step, kind_why=found.why, early_loss=early, clip_share_early=share,
         median_grad_norm=median_grad_norm(run),
-        recovered_spike=any(e.recovered_at is not None for e in spike_events(run)),
+        recovered_spike=any(e.recovered_at is not None for e in (spike_events(run) if spikes is None else spikes)),
         cascades=len(cascades(run)), diverged=diverged(run), final_eval_cb0=final_eval_cb0(run),
         cap=float(cb0[1][0]) if cb0 is not None and len(cb0[1]) else math.nan, headroom=headroom_of(run))
 

@@ -261,8 +261,8 @@ def learning_run(run: RunMetrics, unigram_eval_cb0: float) -> LearningRun | None
         return None
     arm, role = found
     claims = arm == CLAIMS
-    ends = endpoints(run, unigram_eval_cb0 if claims else None, MARGIN_LEARNED if claims else None)
     events = spike_events(run)
+    ends = endpoints(run, unigram_eval_cb0 if claims else None, MARGIN_LEARNED if claims else None, events)
     cfg = run.config
     out = LearningRun(**{**vars(ends), "role": role}, arm=arm, layers=int(cfg["model"]["num_layers"]),
                       max_steps=int(cfg["train"]["max_steps"]),
@@ -282,8 +282,10 @@ def mark_own_spikes(runs: Sequence[LearningRun], within: int = SHARED_STEPS) -> 
         blocks.setdefault((r.arm, r.seed), []).append(r)
     for members in blocks.values():
         for r in members:
+            steps = np.asarray(r.spike_steps, dtype=np.int64)
             others = np.array([s for o in members if o.role != r.role for s in o.spike_steps], dtype=np.int64)
-            r.spike_own = [not (len(others) and bool(np.any(np.abs(others - s) <= within))) for s in r.spike_steps]
+            near = np.abs(steps[:, None] - others[None, :]) <= within
+            r.spike_own = (~near.any(axis=1)).tolist()
 
 
 def learning_runs(runs: Sequence[RunMetrics], unigram_eval_cb0: float) -> tuple[list[LearningRun], list[str]]:
