@@ -1,6 +1,6 @@
-"""The learning study's power by simulated runs (analysis/power_runs.py): its runs are what read_run makes of their
-run directories and go through the analysis's own code, its rates are the instability archive's, and a table
-reproduces from its seed."""
+"""The learning study's power by simulated runs (analysis/power_runs.py; its rates: analysis/power_rates.py): its
+runs are what read_run makes of their run directories and go through the analysis's own code, its rates are the
+instability archive's, and a table reproduces from its seed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from musiclm_stab.analysis import learning, power_runs
+from musiclm_stab.analysis import learning, power_rates, power_runs
 from musiclm_stab.analysis.claims import _plain
 from musiclm_stab.analysis.decide import REPRODUCED
 from musiclm_stab.analysis.runs import read_run
@@ -77,7 +77,7 @@ def test_the_default_rates_are_measured_on_the_instability_archive(tmp_path):
     with tarfile.open(REPO / "docs" / "instability_cpu" / "runs.tar.xz") as tar:
         members = [m for m in tar.getmembers() if m.name.startswith("instability_cpu/") and any(w in m.name for w in wanted)]
         tar.extractall(tmp_path, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    measured = asdict(power_runs.measure_rates([tmp_path / "instability_cpu"]))
+    measured = asdict(power_rates.measure_rates([tmp_path / "instability_cpu"]))
     default = asdict(power_runs.DEFAULT_RATES)
     measured.pop("source"), default.pop("source")
     assert measured.pop("pre_ln_failure_steps") == default.pop("pre_ln_failure_steps")
