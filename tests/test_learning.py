@@ -29,6 +29,7 @@ from musiclm_stab.analysis.learning import (
     mark_own_spikes,
     mechanism_of,
 )
+from musiclm_stab.analysis.sweep_report import lr_text
 from musiclm_stab.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,9 +58,9 @@ def mech_config(stem: str, *overrides: str) -> dict:
 def test_learning_role_reads_the_plans_configs():
     """The plan's configs (real recipes and overlays, the spec's overrides) read as their arm and role: the
     claims' four with warmup, the control's 2 x 2 (clip 1 is its Pre-LN with warmup), a deeper control with
-    its depth in the role, the five mechanism roles; anything else (QK-Norm, DeepNorm without warmup or deeper,
-    another rate or horizon, amp fp16, bf16, fp32 with warmup, Post-Norm clip 1 or sdpa attention at the
-    mechanism's rate) has none."""
+    its depth in the role, its runs at 3L with the rate in the role, the five mechanism roles; anything else
+    (QK-Norm, DeepNorm without warmup or deeper, relax at 3L, another rate or horizon, amp fp16, bf16, fp32
+    with warmup, Post-Norm clip 1 or sdpa attention at the mechanism's rate) has none."""
     assert learning_role(claims_config("clip10")) == (CLAIMS, "clip10")
     assert learning_role(claims_config("clip1")) == (CLAIMS, "clip1")
     assert learning_role(claims_config("deepnorm")) == (CLAIMS, "deepnorm")
@@ -69,6 +70,12 @@ def test_learning_role_reads_the_plans_configs():
     assert learning_role(claims_config("post", warmup=False)) == (CLAIMS, "post_nw")
     assert learning_role(claims_config("clip1", "--model.num_layers=24")) == (CLAIMS, "clip1_24L")
     assert learning_role(claims_config("post", "--model.num_layers=24", warmup=False)) == (CLAIMS, "post_nw_24L")
+    three = f"--optim.lr={3 * learning.L}"  # the control's rule may run it at 3L (docs/STUDY.md)
+    assert learning_role(claims_config("clip1", three)) == (CLAIMS, f"clip1_lr{lr_text(3 * learning.L)}")
+    assert learning_role(claims_config("post", three, "--model.num_layers=24", warmup=False)) == (
+        CLAIMS, f"post_nw_24L_lr{lr_text(3 * learning.L)}")
+    assert learning.control_roles(24, 3 * learning.L)["pre_w"] == f"clip1_24L_lr{lr_text(3 * learning.L)}"
+    assert learning.role_title("post_nw_24L_lr3e-2") == "Post-Norm, clip 1, no warmup (24L, lr3e-2)"
     assert learning_role(mech_config("clip1")) == (MECHANISM, "m_fp16")
     assert learning_role(mech_config("clip1", "--optim.warmup_steps=30")) == (MECHANISM, "m_warmup")
     assert learning_role(mech_config("clip1", "--train.mixed_precision=no")) == (MECHANISM, "m_fp32")
@@ -76,9 +83,11 @@ def test_learning_role_reads_the_plans_configs():
         MECHANISM, "m_post10")
     assert learning_role(mech_config("post", "--optim.clip_grad=10", "--model.attention=relax")) == (
         MECHANISM, "m_post10_relax")
-    base = {"claims": claims_config("clip1"), "deepnorm": claims_config("deepnorm"), "mech": mech_config("clip1"),
+    base = {"claims": claims_config("clip1"), "deepnorm": claims_config("deepnorm"), "relax": claims_config("relax"),
+            "mech": mech_config("clip1"),
             "post": mech_config("post")}
-    for what, key, changes in (("claims", "model", {"qk_norm": True}), ("claims", "optim", {"lr": 3e-2}),
+    for what, key, changes in (("claims", "model", {"qk_norm": True}), ("claims", "optim", {"lr": 2 * learning.L}),
+                               ("relax", "optim", {"lr": 3 * learning.L}),
                                ("claims", "train", {"max_steps": learning.H + 1}),
                                ("claims", "train", {"fp16_mode": "amp"}), ("claims", "train", {"mixed_precision": "bf16"}),
                                ("deepnorm", "optim", {"warmup_steps": 0}), ("deepnorm", "model", {"num_layers": 24}),
@@ -96,11 +105,12 @@ def test_learning_role_reads_the_plans_configs():
 def run(role: str, seed: int, arm: str = CLAIMS, *, early: float = 70.0, share: float = 0.7, grad: float = 2.0,
         final: float = 9.0, kind: str = "none", step: int | None = None, cap: float = 10.4,
         spikes: tuple[int, ...] = (), recovered: bool = True, cascades: int = 0, attn: float = 0.01,
-        max_steps: int = 500) -> LearningRun:
+        max_steps: int = 500, lr: float | None = None) -> LearningRun:
     """A run's endpoints as learning_run makes them (the fields the analysis reads)."""
     diverged = kind == "diverged"
     return LearningRun(
-        path=f"{arm}/{role}_s{seed}", role=role, lr=learning.L if arm == CLAIMS else learning.MECH_LR, seed=seed,
+        path=f"{arm}/{role}_s{seed}", role=role, seed=seed,
+        lr=lr if lr is not None else learning.L if arm == CLAIMS else learning.MECH_LR,
         precision="fp16 (fairseq)", kind=kind, kind_step=step, kind_why="", early_loss=early, clip_share_early=share,
         median_grad_norm=grad, recovered_spike=False, cascades=cascades, diverged=diverged,
         final_eval_cb0=math.nan if diverged else final, cap=cap, headroom={"attn_logit": attn}, arm=arm, layers=8,
@@ -143,7 +153,8 @@ def control_blocks(interaction: np.ndarray, noise: float, seed: int = 0) -> dict
 def test_the_control_detects_a_planted_interaction_and_calls_none_absent():
     """Post-LN hurt 0.5 bits more by the missing warmup in every block: detected (8 positive of 8, p 2/256);
     nothing planted with run noise 0.1: not detected and not shown absent; nothing planted with run noise 0.005:
-    not detected and absent (within +-0.1 bits); a diverged run is scored at its cap."""
+    not detected and absent (within +-0.1 bits); a diverged run is scored at its cap; the control's runs at 3L
+    join their seed's block and are read when the control's rate is 3L."""
     planted = control_of(control_blocks(np.full(8, 0.5), 0.01))
     assert planted["detects"] and planted["part"].p == pytest.approx(2 / 256) and not planted["absent"]
     assert planted["cells"]["post_nw"] - planted["cells"]["post_w"] == pytest.approx(0.5, abs=0.02)
@@ -158,6 +169,12 @@ def test_the_control_detects_a_planted_interaction_and_calls_none_absent():
     found = control_of(blocks)
     assert found["interaction"][0] == pytest.approx(10.4 - blocks[0]["post_w"].final_eval_cb0)
     assert found["failed"] == {"pre_w": 0, "pre_nw": 0, "post_w": 0, "post_nw": 1}
+    at3 = learning.control_roles(8, 3 * learning.L)  # the control run at 3L: in its seed's block
+    runs = [run(r, s, final=9.0 + 0.5 * (c == "post_nw"), lr=3 * learning.L) for s in range(8) for c, r in at3.items()]
+    runs += [run(r, s) for s in range(8) for r in ("clip10", "clip1", "deepnorm", "relax")]
+    blocks = arm_blocks(runs, CLAIMS)
+    assert list(blocks) == list(range(8)) and len(blocks[0]) == 8
+    assert control_of(blocks, 8, 3 * learning.L)["detects"] and not control_of(blocks)["seeds"]
 
 
 def claims_blocks(seed: int = 0, **plant) -> dict:

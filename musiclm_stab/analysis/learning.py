@@ -14,8 +14,9 @@ and is listed as ignored. A *block* is a seed within an arm: every run of a seed
   CLAIMS_LAYERS layers, and the positive control's 2 x 2 of warmup x Pre/Post-LN (Xiong et al. 2020):
   ``pre_w`` = Pre-Norm clip 1 with warmup (at CLAIMS_LAYERS that is ``clip1``), ``pre_nw`` the same without
   warmup, ``post_w`` = plain Post-Norm clip 1 with warmup, ``post_nw`` without. The control may be run at
-  another depth N by a pre-registered rule: its runs' roles then carry the depth (``pre_nw_24L``; ``pre_w``
-  is ``clip1_24L``), and ``control_layers`` says which depth the analysis reads.
+  another depth N or at 3L by its pre-registered rule: its runs' roles then carry the depth and the rate
+  (``pre_nw_24L``, ``post_w_lr3e-2``; ``pre_w`` is ``clip1_24L``), and ``control_layers`` and ``control_lr``
+  say which the analysis reads. At 3L only the control's four have roles.
 - Arm ``mechanism``: lr MECH_LR = 1e-1 (where the instability study's Pre-LN overflowed fp16), MECH_STEPS =
   120 steps, CLAIMS_LAYERS layers, no warmup unless stated: ``m_fp16`` Pre-Norm clip 1 in fairseq fp16;
   ``m_warmup`` the same with a warmup (the plan's: 30 steps); ``m_fp32`` the same without warmup in fp32
@@ -130,6 +131,7 @@ RELAX_ACTS = 0.1  # attention-logit headroom below which relax equals plain atte
 CLAIMS_LAYERS = 8
 MECH_LR = 1e-1
 MECH_STEPS = 120
+CONTROL_LRS = (L, 3 * L)  # the control's rates by its pre-registered rule (docs/STUDY.md): L, else 3L
 
 CLAIMS, MECHANISM = "claims", "mechanism"
 CONTROL_CELLS = ("pre_w", "pre_nw", "post_w", "post_nw")
@@ -146,15 +148,18 @@ ROLE_TITLES = {**TITLES, "clip1": "Pre-Norm, clip 1 (warmup)", "pre_nw": "Pre-No
 ROLE_SHORT = {**SHORT, "pre_nw": "Pre-LN no warmup", "post_w": "Post-LN warmup", "post_nw": "Post-LN no warmup"}
 
 
-def depth_role(role: str, layers: int) -> str:
-    """A control role's name at ``layers`` (the depth suffixed when it is not CLAIMS_LAYERS)."""
-    return role if layers == CLAIMS_LAYERS else f"{role}_{layers}L"
+def depth_role(role: str, layers: int, lr: float | None = None) -> str:
+    """A control role's name at ``layers`` and ``lr`` (the depth suffixed when it is not CLAIMS_LAYERS, the
+    rate when it is not L: ``pre_nw_24L``, ``post_w_lr3e-2``)."""
+    depth = "" if layers == CLAIMS_LAYERS else f"_{layers}L"
+    rate = "" if lr is None or _is(lr, L) else f"_lr{lr_text(float(lr))}"
+    return f"{role}{depth}{rate}"
 
 
-def control_roles(layers: int = CLAIMS_LAYERS) -> dict[str, str]:
-    """The positive control's cells -> the roles that fill them at ``layers``."""
-    return {"pre_w": depth_role("clip1", layers), "pre_nw": depth_role("pre_nw", layers),
-            "post_w": depth_role("post_w", layers), "post_nw": depth_role("post_nw", layers)}
+def control_roles(layers: int = CLAIMS_LAYERS, lr: float | None = None) -> dict[str, str]:
+    """The positive control's cells -> the roles that fill them at ``layers`` and ``lr`` (default L)."""
+    return {"pre_w": depth_role("clip1", layers, lr), "pre_nw": depth_role("pre_nw", layers, lr),
+            "post_w": depth_role("post_w", layers, lr), "post_nw": depth_role("post_nw", layers, lr)}
 
 
 def _is(x, value: float) -> bool:
@@ -171,14 +176,14 @@ def learning_role(cfg: dict) -> tuple[str, str] | None:
     warm, precision = warmup_steps(cfg) > 0, precision_of(cfg)
     plain = not model.get("qk_norm", False) and optim.get("clip_mode", "fixed") == "fixed"
     attention, scheme = model.get("attention", "sdpa"), model.get("norm_scheme", "pre")
-    if _is(lr, L) and _is(steps, H) and precision == "fp16 (fairseq)":
+    if any(_is(lr, x) for x in CONTROL_LRS) and _is(steps, H) and precision == "fp16 (fairseq)":
         role = role6(cfg)
-        if role in ROLES and warm and layers == CLAIMS_LAYERS:
-            return CLAIMS, "post_w" if role == POST else role
+        if role in ROLES and warm and layers == CLAIMS_LAYERS and _is(lr, L):
+            return CLAIMS, role
         if role in ("clip1", POST):
             cell = {("clip1", True): "clip1", ("clip1", False): "pre_nw", (POST, True): "post_w",
                     (POST, False): "post_nw"}[(role, warm)]
-            return CLAIMS, depth_role(cell, layers)
+            return CLAIMS, depth_role(cell, layers, float(lr))
         return None
     if not (_is(lr, MECH_LR) and _is(steps, MECH_STEPS) and layers == CLAIMS_LAYERS and plain):
         return None
@@ -309,8 +314,12 @@ Blocks = dict[int, dict[str, LearningRun]]  # seed -> role -> run, one arm
 
 
 def arm_blocks(runs: Sequence[LearningRun], arm: str) -> Blocks:
-    """{seed: {role: run}} of one arm; ValueError for two runs of one role in a block."""
-    return {seed: have for (_, seed), have in runs_by_block([r for r in runs if r.arm == arm]).items()}
+    """{seed: {role: run}} of one arm (the control's runs at 3L in their seed's block: the same batches);
+    ValueError for two runs of one role in a block."""
+    out: Blocks = {}
+    for (_, seed), have in runs_by_block([r for r in runs if r.arm == arm]).items():
+        out.setdefault(seed, {}).update(have)  # roles at another rate carry it in their name: no clash
+    return dict(sorted(out.items()))
 
 
 def having(blocks: Blocks, roles: Sequence[str]) -> list[int]:
@@ -327,16 +336,17 @@ def control_score(r: LearningRun) -> float:
     return r.cap if r.kind in ("diverged", "dead input") else r.final_eval_cb0
 
 
-def control_of(blocks: Blocks, layers: int = CLAIMS_LAYERS) -> dict:
-    """The positive control (module docstring): the cells' means, the interaction's Wilcoxon and TOST."""
-    roles = control_roles(layers)
+def control_of(blocks: Blocks, layers: int = CLAIMS_LAYERS, lr: float | None = None) -> dict:
+    """The positive control (module docstring) at ``layers`` and ``lr`` (default L): the cells' means, the
+    interaction's Wilcoxon and TOST."""
+    roles = control_roles(layers, lr)
     seeds = having(blocks, list(roles.values()))
     cells = {c: _values(blocks, control_score, r, seeds) for c, r in roles.items()}
     d = (cells["post_nw"] - cells["post_w"]) - (cells["pre_nw"] - cells["pre_w"])
     part = MarginPart.paired("interaction (bits): (Post-LN no warmup - warmup) - (Pre-LN no warmup - warmup)", d,
                              CONTROL_MARGIN)
     detects = bool(part.p < ALPHA and part.estimate > 0)
-    return {"layers": layers, "roles": roles, "seeds": seeds, "part": part, "interaction": [float(x) for x in d],
+    return {"layers": layers, "lr": L if lr is None else lr, "roles": roles, "seeds": seeds, "part": part, "interaction": [float(x) for x in d],
             "cells": {c: float(v.mean()) if len(v) else math.nan for c, v in cells.items()},
             "failed": {c: sum(blocks[s][r].kind in ("diverged", "dead input") for s in seeds) for c, r in roles.items()},
             "detects": detects, "absent": bool(not detects and part.p_tost < ALPHA)}
@@ -447,10 +457,22 @@ def roles_of(runs: Sequence[LearningRun]) -> list[dict]:
     return rows
 
 
+def _base_role(role: str) -> str:
+    """The design's role a (possibly depth- or rate-suffixed) role name is of."""
+    known = [*ROLES, "pre_nw", "post_w", "post_nw", *MECH_ROLES]
+    return role if role in known else max((r for r in known if role.startswith(r + "_")), key=len, default=role)
+
+
 def _role_order(role: str) -> tuple[int, str]:
     order = [*ROLES, "pre_nw", "post_w", "post_nw", *MECH_ROLES]
-    base = next((r for r in order if role == r or role.startswith(r + "_") and role[len(r) + 1:-1].isdigit()), role)
+    base = _base_role(role)
     return (order.index(base) if base in order else len(order), role)
+
+
+def role_title(role: str) -> str:
+    """A role in words, its depth or rate (a control run off the claims' setting) after it."""
+    base = _base_role(role)
+    return ROLE_TITLES.get(base, base) + (f" ({role[len(base) + 1:].replace('_', ', ')})" if role != base else "")
 
 
 def _largest(headroom: dict[str, float]) -> tuple[str, float] | None:
@@ -464,13 +486,13 @@ def learned_share(runs: Sequence[LearningRun]) -> dict:
     return {"learned": n, "of": len(alive), "share": n / len(alive) if alive else math.nan}
 
 
-def analyse(runs: Sequence[LearningRun], control_layers: int = CLAIMS_LAYERS) -> dict:
+def analyse(runs: Sequence[LearningRun], control_layers: int = CLAIMS_LAYERS, control_lr: float | None = None) -> dict:
     """Everything claims.md shows, as one dict (module docstring); ValueError when no run has a role."""
     if not runs:
         raise ValueError("no run of the learning study (learning_role: arm claims at lr "
                          f"{lr_text(L)} x {H} steps, arm mechanism at lr {lr_text(MECH_LR)} x {MECH_STEPS} steps)")
     claims, mech = arm_blocks(runs, CLAIMS), arm_blocks(runs, MECHANISM)
-    return {"control": control_of(claims, control_layers), "claims": claims_of(claims),
+    return {"control": control_of(claims, control_layers, control_lr), "claims": claims_of(claims),
             "claims_blocks": having(claims, ROLES), "mechanism": mechanism_of(mech), "roles": roles_of(runs),
             "learned_share": learned_share(runs)}
 
@@ -513,7 +535,7 @@ def control_markdown(control: dict) -> list[str]:
                if control["absent"] else "**does not detect** it, and cannot say it is absent (inconclusive)")
     cells = ", ".join(f"{ROLE_SHORT.get(c, c)} {control['cells'][c]:.3f}" for c in ("post_nw", "post_w", "pre_nw"))
     return ["### The positive control (first; not in the claims' family, p not adjusted)", "",
-            f"- Warmup x Pre/Post-LN at {control['layers']} layers, final held-out cb0 at the horizon (a diverged or "
+            f"- Warmup x Pre/Post-LN at {control['layers']} layers and lr {lr_text(control['lr'])}, final held-out cb0 at the horizon (a diverged or "
             f"dead run at its cap), over {n} blocks: means {cells}, Pre-LN warmup {control['cells']['pre_w']:.3f} "
             f"bits; failed (diverged or dead input) " + ", ".join(
                 f"{c} {k}" for c, k in control["failed"].items()) + ".",
@@ -529,7 +551,7 @@ def mechanism_markdown(mech: dict, roles: list[dict]) -> list[str]:
         fails = "; ".join(f"seed {f['seed']} {f['kind']} at {f['step']}" + (
             f" ({f['place'][0]} {f['place'][1]:.2g} at step {f['diag_step']})" if f["place"] else "")
             for f in row["failures"]) or "none"
-        lines.append(f"- {ROLE_TITLES.get(row['role'], row['role'])}: failed {row['failed']} of "
+        lines.append(f"- {role_title(row['role'])}: failed {row['failed']} of "
                      f"{len(row['seeds'])}: {fails}.")
     return lines
 
@@ -547,7 +569,7 @@ def roles_markdown(result: dict) -> list[str]:
         f = row["final_eval_cb0"]
         fails = ", ".join(f"{x['seed']}: {x['kind']}" + (f" at {x['step']}" if x["step"] is not None else "")
                           for x in row["failures"]) or "none"
-        lines.append(f"| {row['arm']} | {ROLE_TITLES.get(row['role'], row['role'])} | {row['learned']} of "
+        lines.append(f"| {row['arm']} | {role_title(row['role'])} | {row['learned']} of "
                      f"{len(row['seeds'])} | {row['failed']} | {num_text(f['mean'])} [{num_text(f['min'])}, "
                      f"{num_text(f['max'])}] ({f['n']}) | {fails} | {row['cascades']} | {row['own_spikes']} / "
                      f"{row['shared_spikes']} ({row['own_recovered']}) | {headroom_text(row['headroom'])} |")
@@ -592,12 +614,12 @@ DOC_END = "<!-- end of the generated learning claims table -->"
 
 
 def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path, unigram_eval_cb0: float,
-                 control_layers: int = CLAIMS_LAYERS) -> tuple[Path, Path]:
+                 control_layers: int = CLAIMS_LAYERS, control_lr: float | None = None) -> tuple[Path, Path]:
     """Analyse ``run_dirs`` (run directories, folders of them, or RunMetrics); write claims.md and claims.json
     (every number; NaN as null, infinities as "inf"/"-inf") into ``out_dir``."""
     runs = read_runs(run_dirs)
     found, ignored = learning_runs(runs, unigram_eval_cb0)
-    result = analyse(found, control_layers)
+    result = analyse(found, control_layers, control_lr)
     result["ignored"] = ignored
     result["levels"] = {"unigram_eval_cb0": unigram_eval_cb0, "margin_learned": MARGIN_LEARNED}
     out = Path(out_dir)
@@ -620,12 +642,16 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--control-layers", type=int, default=CLAIMS_LAYERS, metavar="N",
                    help=f"the positive control's depth (default {CLAIMS_LAYERS}, the claims'; the pre-registered "
                         "rule may run it deeper)")
+    p.add_argument("--control-lr", type=float, metavar="LR",
+                   help="the positive control's rate: L (default) or 3L, as its pre-registered rule chose")
     p.add_argument("--doc", metavar="MD", help="also put the tables into this file, between its markers")
     args = p.parse_args(argv)
     if args.control_layers < 1:
         p.error("--control-layers must be >= 1")
+    if args.control_lr is not None and not any(_is(args.control_lr, x) for x in CONTROL_LRS):
+        p.error(f"--control-lr must be L ({lr_text(L)}) or 3L ({lr_text(3 * L)})")
     try:
-        md, _ = write_claims(args.run_dirs, args.out, args.unigram, args.control_layers)
+        md, _ = write_claims(args.run_dirs, args.out, args.unigram, args.control_layers, args.control_lr)
         if args.doc:
             fill_doc(args.doc, md.read_text(), DOC_BEGIN, DOC_END)
     except (FileNotFoundError, ValueError) as e:
