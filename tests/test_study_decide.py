@@ -10,18 +10,26 @@ import pytest
 import scipy.stats
 
 from musiclm_stab.analysis.decide import (
+    ABSENT,
     INCONCLUSIVE,
     NOT_TESTABLE,
     REFUTED,
     REPRODUCED,
     Claim,
+    MarginClaim,
+    MarginPart,
     Part,
     claim_p,
+    claim_p_tost,
     decide,
+    decide_margins,
     holm,
     mcnemar,
     median,
+    tost,
     wilcoxon,
+    wilcoxon_greater,
+    wilcoxon_less,
 )
 
 
@@ -150,3 +158,85 @@ def test_significant_alone_is_not_enough_after_holm():
     claims = [Claim(k, k, [part(0.02, 1.0)]) for k in "abcd"]
     decide(claims)
     assert all(c.verdict == INCONCLUSIVE and c.p_adjusted == pytest.approx(0.08) for c in claims)
+
+
+def brute_force_tail(d: list[float], upper: bool) -> float:
+    """One-sided exact Wilcoxon p by listing every sign flip of the signed average ranks."""
+    used = np.array([x for x in d if x != 0 and not math.isnan(x)])
+    if not len(used):
+        return 1.0
+    ranks = scipy.stats.rankdata(np.abs(used))
+    observed = ranks[used > 0].sum()
+    sums = np.array([sum(r for r, s in zip(ranks, signs) if s)
+                     for signs in itertools.product((0, 1), repeat=len(used))])
+    hits = (sums >= observed - 1e-9) if upper else (sums <= observed + 1e-9)
+    return hits.sum() / len(sums)
+
+
+def test_one_sided_tails_equal_an_enumeration_of_every_sign_flip():
+    """The one-sided exact tails (ties, zeros, NaN and infinities included) are what listing all 2^n sign
+    flips gives, and without ties scipy's exact one-sided test; the two tails of one sample overlap in
+    exactly the observed sum, so they add to more than 1."""
+    rng = np.random.default_rng(2)
+    for n in range(1, 11):
+        for _ in range(5):
+            d = list(rng.choice([-3, -2, -1, 0, 1, 2, 3, -math.inf, math.inf, math.nan], n))
+            assert wilcoxon_greater(d)[0] == pytest.approx(brute_force_tail(d, upper=True), rel=1e-12), d
+            assert wilcoxon_less(d)[0] == pytest.approx(brute_force_tail(d, upper=False), rel=1e-12), d
+    for n in range(1, 14):
+        d = rng.normal(0.2, 1.0, n)
+        for alternative, fn in (("greater", wilcoxon_greater), ("less", wilcoxon_less)):
+            exact = scipy.stats.wilcoxon(d, alternative=alternative, method="exact").pvalue
+            assert fn(d)[0] == pytest.approx(exact, rel=1e-12, abs=0)
+        assert wilcoxon_greater(d)[0] + wilcoxon_less(d)[0] > 1.0
+    assert wilcoxon_greater([1, 2, 3]) == (pytest.approx(1 / 8), 3) and wilcoxon_less([0.0, math.nan]) == (1.0, 0)
+
+
+def test_tost_equivalent_only_when_every_difference_sits_well_inside_the_margin():
+    """n = 8 differences all well inside +-0.1: p_lo = p_hi = 1/256 (every shifted difference on one side);
+    one of them (0.5) outside: p_hi = 25/256 (d - 0.1 has one positive, the largest rank: 25 of the 256
+    subsets of 1..8 sum to <= 8), not equivalent at 0.05; +-inf never equivalent; NaN dropped; a margin of 0
+    refused."""
+    inside = [0.01, -0.02, 0.03, 0.0, -0.01, 0.02, 0.005, -0.015]
+    assert tost(inside, 0.1) == (pytest.approx(1 / 256), pytest.approx(1 / 256), pytest.approx(1 / 256))
+    one_out = inside[:-1] + [0.5]
+    p, p_lo, p_hi = tost(one_out, 0.1)
+    assert p_lo == pytest.approx(1 / 256) and p == p_hi == pytest.approx(25 / 256)
+    assert p_hi == pytest.approx(brute_force_tail([x - 0.1 for x in one_out], upper=False))
+    assert tost(inside[:-1] + [math.inf], 0.1)[0] == pytest.approx(brute_force_tail(
+        [x - 0.1 for x in inside[:-1]] + [math.inf], upper=False))
+    assert tost([math.inf] * 8, 0.1)[0] == 1.0 and tost([-math.inf] * 8, 0.1)[0] == 1.0
+    assert tost(inside + [math.nan], 0.1) == tost(inside, 0.1)
+    assert tost([0.1, 0.1], 0.1)[2] == 1.0  # zeros after the shift are dropped: nothing left below
+    with pytest.raises(ValueError, match="margin"):
+        tost(inside, 0.0)
+
+
+def test_four_verdicts_absent_reproduced_refuted_inconclusive():
+    """Over one family: a claim whose every part sits inside its margin is absent; a large effect is
+    reproduced; a large reversed one refuted; a noisy one inconclusive and says it was not shown absent; a
+    binary part cannot make its claim absent; the equivalence family is Holm-adjusted on its own; a tiny but
+    consistent difference inside the margin is absent and says the difference is significant too."""
+    inside = [0.01, -0.02, 0.03, 0.004, -0.01, 0.02, 0.005, -0.015]
+    big = [1.0, 1.1, 0.9, 1.2, 0.8, 1.3, 1.05, 0.95]
+    noisy = [1.0, -1.1, 0.9, -1.2, 0.8, 1.3, -1.05, 0.95]
+    tiny = [0.001 * (i + 1) for i in range(8)]
+    claims = [MarginClaim("a", "A", [MarginPart.paired("a1", inside, 0.1), MarginPart.paired("a2", inside, 0.1)]),
+              MarginClaim("b", "B", [MarginPart.paired("b1", big, 0.1)]),
+              MarginClaim("c", "C", [MarginPart.paired("c1", [-x for x in big], 0.1)]),
+              MarginClaim("d", "D", [MarginPart.paired("d1", noisy, 0.1)]),
+              MarginClaim("e", "E", [MarginPart.paired("e1", inside, 0.1),
+                                     MarginPart.binary("e2", [False] * 8, [False] * 8)]),
+              MarginClaim("f", "F", [MarginPart.paired("f1", tiny, 0.1)]),
+              MarginClaim("g", "G", [], testable=False, reason="too few blocks")]
+    decide_margins(claims)
+    verdicts = {c.key: c.verdict for c in claims}
+    assert verdicts == {"a": ABSENT, "b": REPRODUCED, "c": REFUTED, "d": INCONCLUSIVE, "e": INCONCLUSIVE,
+                        "f": ABSENT, "g": NOT_TESTABLE}
+    by = {c.key: c for c in claims}
+    # equivalence family of the six testable: a, f at 1/256 (and e's 1 because of its binary part, b, c, d 1)
+    assert by["a"].p_tost == pytest.approx(1 / 256) and by["a"].p_tost_adjusted == pytest.approx(6 / 256)
+    assert by["e"].p_tost == 1.0 and claim_p_tost(by["e"].parts) == 1.0
+    assert "not shown absent" in by["d"].why and "a difference smaller than the margin" in by["f"].why
+    assert "a difference smaller" not in by["a"].why and math.isnan(by["g"].p_tost_adjusted)
+    assert by["a"].parts[0].p_tost_adjusted == pytest.approx(6 / 256) and by["b"].parts[0].p_tost == 1.0

@@ -27,6 +27,18 @@ whose precondition fails is **not testable at this scale** and is left out of th
 gets an adjusted p: the family's Holm adjustment with the part's own p (times the number of parts for a
 part against the claim) in place of its claim's p, so the part that decides a claim shows the claim's
 adjusted p, and any other part shows what it alone would have given.
+
+Four verdicts (``decide_margins``; the learning study's rule, the older studies keep ``decide``): a part
+may carry an equivalence margin delta in its unit, fixed in advance (``MarginPart``), and is then also
+tested for equivalence by TOST with the exact Wilcoxon test, one-sided each way (``tost``): p_lo tests
+H0 median(d) <= -delta against > -delta (the upper tail of d + delta), p_hi tests H0 median(d) >= +delta
+against < +delta (the lower tail of d - delta), counted on the same sign flips as the two-sided test;
+zeros after the shift and NaN are dropped, +-inf kept (they never fall inside the margin); TOST p =
+max(p_lo, p_hi). A claim's equivalence p is the largest TOST p of its parts (intersection-union: absent
+only if every part is equivalent; a part without a margin, McNemar's, makes it 1). The testable claims'
+equivalence p are Holm-adjusted as a family of their own. **absent** when a claim's adjusted equivalence
+p < ALPHA (with "a difference smaller than the margin" in its why when its difference is significant
+too); otherwise the verdict ``decide`` gives.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import numpy as np
 ALPHA = 0.05
 REPRODUCED, REFUTED, INCONCLUSIVE, NOT_TESTABLE = (
     "reproduced", "refuted", "inconclusive", "not testable at this scale")
+ABSENT = "absent"  # the four-verdict rule's (decide_margins): equivalence within a margin fixed in advance
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -91,20 +104,54 @@ def sign_flip_counts(ranks2: np.ndarray) -> np.ndarray:
     return counts
 
 
-def wilcoxon(d: Sequence[float]) -> tuple[float, int, float]:
-    """(p, n used, median of d): the exact two-sided Wilcoxon signed-rank test (module docstring)."""
+def signed_rank_tails(d: Sequence[float]) -> tuple[int, int, int]:
+    """(lower, upper, n): of the 2^n sign flips of the non-zero, defined differences of ``d``, how many give
+    a sum of positive doubled ranks <= the observed one (lower) and >= it (upper); n of them used."""
     d = np.asarray(d, dtype=np.float64)
-    estimate = median(d)
     used = d[~np.isnan(d) & (d != 0)]
     n = len(used)
     if n == 0:
-        return 1.0, 0, estimate
+        return 1, 1, 0
     ranks2 = doubled_ranks(np.abs(used))
     counts = sign_flip_counts(ranks2)
     observed = int(ranks2[used > 0].sum())
-    lower, upper = int(counts[:observed + 1].sum()), int(counts[observed:].sum())
+    return int(counts[:observed + 1].sum()), int(counts[observed:].sum()), n
+
+
+def wilcoxon(d: Sequence[float]) -> tuple[float, int, float]:
+    """(p, n used, median of d): the exact two-sided Wilcoxon signed-rank test (module docstring)."""
+    estimate = median(d)
+    lower, upper, n = signed_rank_tails(d)
+    if n == 0:
+        return 1.0, 0, estimate
     p = Fraction(2 * min(lower, upper), 2 ** n)
     return float(min(p, Fraction(1))), n, estimate
+
+
+def wilcoxon_greater(d: Sequence[float]) -> tuple[float, int]:
+    """(p, n used): the exact one-sided Wilcoxon signed-rank test of H0 "d centred at or below 0" against
+    "above 0": the upper tail, counted as the two-sided test counts it (zeros and NaN dropped)."""
+    _, upper, n = signed_rank_tails(d)
+    return (1.0, 0) if n == 0 else (float(Fraction(upper, 2 ** n)), n)
+
+
+def wilcoxon_less(d: Sequence[float]) -> tuple[float, int]:
+    """(p, n used): the one-sided test the other way, H0 "at or above 0" against "below 0" (the lower tail)."""
+    lower, _, n = signed_rank_tails(d)
+    return (1.0, 0) if n == 0 else (float(Fraction(lower, 2 ** n)), n)
+
+
+def tost(d: Sequence[float], margin: float) -> tuple[float, float, float]:
+    """(p, p_lo, p_hi): two one-sided exact Wilcoxon tests that the differences ``d`` lie within +-``margin``
+    (equivalence, module docstring): p_lo of H0 median <= -margin (on d + margin, upper tail), p_hi of H0
+    median >= +margin (on d - margin, lower tail), p = max of the two. NaN dropped; +-inf kept (never
+    inside the margin); zeros after the shift dropped, as the two-sided test drops them."""
+    if not margin > 0:
+        raise ValueError(f"an equivalence margin must be > 0, got {margin}")
+    d = np.asarray(d, dtype=np.float64)
+    p_lo, _ = wilcoxon_greater(d + margin)
+    p_hi, _ = wilcoxon_less(d - margin)
+    return max(p_lo, p_hi), p_lo, p_hi
 
 
 def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> tuple[float, int, int]:
@@ -237,3 +284,72 @@ def _verdict(c: Claim, alpha: float) -> tuple[str, str]:
     if c.direction is None:
         return INCONCLUSIVE, "no part points either way (median differences of 0, or no data)"
     return INCONCLUSIVE, f"adjusted p {c.p_adjusted:.3g} >= {alpha}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Four verdicts: a claim can also be found absent (the learning study, docs/STUDY.md)
+
+
+@dataclass
+class MarginPart(Part):
+    """A part with an equivalence margin, in the part's unit, fixed before the runs: besides the difference
+    test it gets a TOST p (``tost``); a part without a margin (McNemar's yes/no) cannot show equivalence."""
+
+    margin: float | None = None
+    p_tost: float = 1.0
+    p_lo: float = 1.0
+    p_hi: float = 1.0
+    p_tost_adjusted: float = math.nan  # set by decide_margins()
+
+    @classmethod
+    def paired(cls, name: str, d: Sequence[float], margin: float | None = None) -> MarginPart:
+        part = super().paired(name, d)
+        part.margin = margin
+        if margin is not None:
+            part.p_tost, part.p_lo, part.p_hi = tost(d, margin)
+        return part
+
+
+@dataclass
+class MarginClaim(Claim):
+    """A claim of MarginParts; ``decide_margins`` also fills in its equivalence p and their adjustment."""
+
+    p_tost: float = 1.0
+    p_tost_adjusted: float = math.nan
+
+
+def claim_p_tost(parts: Sequence[Part], refute_only: bool = False) -> float:
+    """A claim's equivalence p: the largest TOST p of its parts (intersection-union: the claim is absent only
+    if every part is within its margin); 1 when a part has no margin, or a part it needs is not testable."""
+    if not parts or refute_only or any(getattr(q, "margin", None) is None for q in parts):
+        return 1.0
+    return max(q.p_tost for q in parts)
+
+
+def decide_margins(claims: Sequence[MarginClaim], alpha: float = ALPHA) -> list[MarginClaim]:
+    """Four verdicts for ``claims`` (in place, returned): the difference family as ``decide`` adjusts it,
+    and the equivalence family (each claim's ``claim_p_tost``) Holm-adjusted alone over the same testable
+    claims. **absent** when the adjusted equivalence p < ``alpha``; else reproduced / refuted / inconclusive
+    as ``decide`` says; not testable as there. Each part's adjusted TOST p: the family's with it in its
+    claim's place."""
+    decide(claims, alpha)
+    family = [c for c in claims if c.testable]
+    base = [claim_p_tost(c.parts, c.refute_only) for c in family]
+    adjusted = holm(base)
+    for i, c in enumerate(family):
+        c.p_tost, c.p_tost_adjusted = base[i], adjusted[i]
+        for part in c.parts:
+            if getattr(part, "margin", None) is not None:
+                swapped = list(base)
+                swapped[i] = part.p_tost
+                part.p_tost_adjusted = holm(swapped)[i]
+        if c.p_tost_adjusted < alpha:
+            widest = max(c.parts, key=lambda q: q.p_tost)
+            also = (f"; the difference is significant too (adjusted p {c.p_adjusted:.3g}, {c.direction} the "
+                    "claim): a difference smaller than the margin" if c.p_adjusted < alpha else "")
+            c.verdict, c.why = ABSENT, (f"every part within its margin; the widest ({widest.name}, margin "
+                                        f"{widest.margin:g}) has TOST p = {c.p_tost:.3g}, adjusted "
+                                        f"{c.p_tost_adjusted:.3g} < {alpha}{also}")
+        elif c.verdict == INCONCLUSIVE:
+            c.why += f"; not shown absent (equivalence p {c.p_tost:.3g}, adjusted {c.p_tost_adjusted:.3g})"
+    return list(claims)

@@ -135,6 +135,29 @@ class Cascade:
     overflows: int  # overflowed updates logged in the event's rows
 
 
+def window_max(steps: np.ndarray, values: np.ndarray, window: int) -> np.ndarray:
+    """For each row i, the largest value of the rows logged at steps[i] - window .. steps[i] - 1 (-inf when
+    there is none): a sparse table of maxima over powers of two, so a run of n rows costs O(n log n)."""
+    n = len(values)
+    lo = np.searchsorted(steps, steps - window, side="left")
+    hi = np.searchsorted(steps, steps, side="left")
+    out = np.full(n, -np.inf)
+    width = hi - lo
+    has = width > 0
+    if not has.any():
+        return out
+    table = [np.asarray(values, dtype=np.float64)]
+    while 2 ** len(table) <= int(width.max()):
+        prev, half = table[-1], 2 ** (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    level = np.zeros(n, dtype=np.int64)
+    level[has] = np.floor(np.log2(width[has])).astype(np.int64)
+    for k in np.unique(level[has]):
+        rows = np.flatnonzero(has & (level == k))
+        out[rows] = np.maximum(table[k][lo[rows]], table[k][hi[rows] - 2 ** k])
+    return out
+
+
 def cascades(run: RunMetrics, bits: int = CASCADE_BITS, window: int = CASCADE_STEPS) -> list[Cascade]:
     """The run's spike cascades (module docstring): falls of the fp16 loss scale by >= 2^``bits`` below its
     largest value over the ``window`` steps before, consecutive rows one event, the divergence (the floor)
@@ -144,18 +167,12 @@ def cascades(run: RunMetrics, bits: int = CASCADE_BITS, window: int = CASCADE_ST
     if series is not None:
         steps, scale = series
         overflow = dict(zip(*(run.metric("overflow_step") or (np.zeros(0), np.zeros(0)))))
-        previous = None  # the logged step before, when it was in a cascade
-        for step, s in zip(steps, scale):
-            earlier = scale[(steps >= step - window) & (steps < step)]
-            if len(earlier) and s * 2**bits <= earlier.max():
-                n = int(overflow.get(step, 0))
-                if previous is not None:  # the same event goes on
-                    events[-1].scale, events[-1].overflows = min(events[-1].scale, float(s)), events[-1].overflows + n
-                else:
-                    events.append(Cascade(int(step), float(s), float(earlier.max()), n))
-                previous = step
-            else:
-                previous = None
+        before = window_max(steps, scale, window)
+        falling = scale * 2**bits <= before  # False where no row is in the window (-inf)
+        edges = np.diff(np.concatenate([[0], falling.astype(np.int8), [0]]))
+        for i, j in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            events.append(Cascade(int(steps[i]), float(scale[i:j].min()), float(before[i]),
+                                  sum(int(overflow.get(step, 0)) for step in steps[i:j])))
     if run.diverged_at is not None:
         events.append(Cascade(int(run.diverged_at), 0.0, float(series[1][-1]) if series is not None else math.nan,
                               run.final_overflows))

@@ -80,6 +80,7 @@ import numpy as np
 from musiclm_stab.analysis.claim_stats import (
     ATTN_LOGIT,
     ROLES,
+    SpikeEvent,
     block_of,
     diverged,
     final_eval_cb0,
@@ -183,17 +184,26 @@ def _early(run: RunMetrics, steps: int) -> tuple[float, float]:
     return loss, share
 
 
+def headroom_place(name: str) -> tuple[str, float] | None:
+    """(place, factor to headroom) of a logged metric that measures fp16 headroom: the attention logits
+    (``attn_logit``, logged as values: / 65504) and each ``diag/headroom/`` kind (layers merged:
+    ``residual``, ``ffn``, ``frontend``, ``heads``, ``grad``, logged as headroom); None for any other."""
+    if name.startswith(ATTN_LOGIT):
+        return "attn_logit", 1.0 / FP16_MAX
+    if name.startswith(HEADROOM):
+        return name[len(HEADROOM):].split("/")[0], 1.0
+    return None
+
+
 def headroom_of(run: RunMetrics) -> dict[str, float]:
     """The largest fp16 headroom logged, by place: attention logits and each ``diag/headroom/`` kind (layers
     merged: ``residual``, ``ffn``, ``frontend``, ``heads``, ``grad``). A place that overflowed is inf."""
     out: dict[str, float] = {}
     for name in set(run.series) | set(run.nonfinite):
-        if name.startswith(ATTN_LOGIT):
-            place, scale = "attn_logit", 1.0 / FP16_MAX
-        elif name.startswith(HEADROOM):
-            place, scale = name[len(HEADROOM):].split("/")[0], 1.0
-        else:
+        found = headroom_place(name)
+        if found is None:
             continue
+        place, scale = found
         top = math.inf if len(run.nonfinite.get(name, ())) else -math.inf
         series = run.metric(name)
         if series is not None and len(series[1]):
@@ -202,9 +212,11 @@ def headroom_of(run: RunMetrics) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: float | None = None) -> Endpoints:
+def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: float | None = None,
+              spikes: list[SpikeEvent] | None = None) -> Endpoints:
     """Every per-run endpoint of ``run`` (module docstring); ``stall_margin`` (bits, with the unigram level):
-    also find stalled runs."""
+    also find stalled runs; ``spikes``: the run's spike events when the caller has them (spike_events of the
+    run in bits), not found again."""
     run = run.in_unit("bits")
     cfg = run.config
     lr, seed = block_of(cfg)
@@ -217,7 +229,7 @@ def endpoints(run: RunMetrics, unigram_eval_cb0: float | None, stall_margin: flo
         path=str(run.path), role=role6(cfg), lr=lr, seed=seed, precision=precision_of(cfg), kind=found.kind,
         kind_step=found.step, kind_why=found.why, early_loss=early, clip_share_early=share,
         median_grad_norm=median_grad_norm(run),
-        recovered_spike=any(e.recovered_at is not None for e in spike_events(run)),
+        recovered_spike=any(e.recovered_at is not None for e in (spike_events(run) if spikes is None else spikes)),
         cascades=len(cascades(run)), diverged=diverged(run), final_eval_cb0=final_eval_cb0(run),
         cap=float(cb0[1][0]) if cb0 is not None and len(cb0[1]) else math.nan, headroom=headroom_of(run))
 
@@ -388,12 +400,12 @@ def analyse(runs: Sequence[Endpoints]) -> dict:
 # Markdown, JSON, files and the command line
 
 
-def _num(x: float | None, fmt: str = "{:.3f}") -> str:
+def num_text(x: float | None, fmt: str = "{:.3f}") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
-def _headroom_text(h: dict[str, float]) -> str:
-    return ", ".join(f"{p} {_num(v, '{:.2g}')}" for p, v in h.items() if v != -math.inf) or "not logged"
+def headroom_text(h: dict[str, float]) -> str:
+    return ", ".join(f"{p} {num_text(v, '{:.2g}')}" for p, v in h.items() if v != -math.inf) or "not logged"
 
 
 def controls_markdown(controls: dict) -> list[str]:
@@ -439,14 +451,14 @@ def failures_markdown(result: dict) -> list[str]:
         steps = {kind: f"{len(v)} ({', '.join(str(s) for s in v)})" if v else "0" for kind, v in k.items()}
         f = row["final_eval_cb0"]
         lines.append(f"| {TITLES[row['role']]} | {lr_text(row['lr'])} | {row['learned']} of {len(row['seeds'])} | "
-                     f"{steps['diverged']} | {steps['dead input']} | {len(k['stalled'])} | {_num(f['mean'])} ({f['n']}) | "
-                     f"{row['cascades']} | {_headroom_text(row['headroom'])} |")
+                     f"{steps['diverged']} | {steps['dead input']} | {len(k['stalled'])} | {num_text(f['mean'])} ({f['n']}) | "
+                     f"{row['cascades']} | {headroom_text(row['headroom'])} |")
     lines += ["", "| configuration | LR sensitivity S (bits) [95% bootstrap] | cap (bits) | largest lr that learns |",
               "|---|---|---|---|"]
     for role, s in result["configurations"].items():
         sens, top = s["lr_sensitivity"], s["largest_lr_that_learns"]
-        lines.append(f"| {TITLES[role]} | {_num(sens['S'])} [{_num(sens['ci95'][0])}, {_num(sens['ci95'][1])}] | "
-                     f"{_num(sens['cap'])} | {lr_text(top) if top is not None else 'none'} |")
+        lines.append(f"| {TITLES[role]} | {num_text(sens['S'])} [{num_text(sens['ci95'][0])}, {num_text(sens['ci95'][1])}] | "
+                     f"{num_text(sens['cap'])} | {lr_text(top) if top is not None else 'none'} |")
     return lines
 
 

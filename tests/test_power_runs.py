@@ -1,0 +1,103 @@
+"""The learning study's power by simulated runs (analysis/power_runs.py; its rates: analysis/power_rates.py): its
+runs are what read_run makes of their run directories and go through the analysis's own code, its rates are the
+instability archive's, and a table reproduces from its seed."""
+
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from musiclm_stab.analysis import learning, power_rates, power_runs
+from musiclm_stab.analysis.claims import _plain
+from musiclm_stab.analysis.decide import REPRODUCED
+from musiclm_stab.analysis.runs import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def short(monkeypatch):
+    """A 60-step horizon for arm claims (the design's H is a placeholder; the simulation follows it)."""
+    monkeypatch.setattr(learning, "H", 60)
+
+
+def test_simulated_runs_are_what_read_run_makes_of_their_directories(tmp_path, short):
+    """Every run of a simulated study (both arms; nothing planted, and M2's surviving fp32 run), written as a run
+    directory (config.yaml, metrics.jsonl with a min_loss_scale event where it diverged) and read back by
+    read_run, has the same endpoints through learning_run as the run held in memory, and the analysis of the
+    runs read back is the in-memory one's."""
+    for effect in (power_runs.NULL, "M2"):
+        runs = power_runs.simulate(power_runs.DEFAULT_RATES, 2, 0, effect=effect)
+        metrics = {}
+        for r in runs:
+            assert learning.learning_role(power_runs.config_of(r.role, r.seed)) == (r.arm, r.role)
+            planted = effect if r.role in power_runs.PLANTED.get(effect, ()) else power_runs.NULL
+            metrics[(r.role, r.seed)] = power_runs.study_run(power_runs.DEFAULT_RATES, r.role, r.seed, 0, 0, planted)
+        root = tmp_path / effect
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a row read_run would skip is a defect of the writer
+            back = [read_run(power_runs.write_run(m, root)) for m in metrics.values()]
+        again, ignored = learning.learning_runs(back, power_runs.UNIGRAM)
+        assert not ignored and len(again) == len(runs) == 24
+        mine = {(r.role, r.seed): r for r in runs}
+        for r in again:
+            expected = {**_plain(mine[(r.role, r.seed)]), "path": None}
+            assert {**_plain(r), "path": None} == expected, (effect, r.role, r.seed)
+        assert _plain(learning.analyse(again)["claims"]) == _plain(learning.analyse(runs)["claims"])
+        kinds = {r.role: r.kind for r in runs if r.seed == 0}
+        assert kinds["m_fp16"] == "diverged" and kinds["m_fp32"] == ("none" if effect == "M2" else "diverged")
+        assert all(kinds[role] == "none" for role in power_runs.CLAIM_ROLES)
+
+
+def test_a_tiny_power_table_reproduces_from_its_seed_and_finds_clear_effects(short):
+    """Two simulated studies at 8 seeds: the table is the same computed again from its seed; DeepNorm's gradient
+    norm 0.3 ln lower and a warmup that prevents the Pre-LN failure are reproduced in both; with nothing
+    planted no claim or check is reproduced; a study of 6 seeds is the first 6 blocks of the same runs."""
+    table = power_runs.power_table(power_runs.DEFAULT_RATES, [8, 6], 2, base_seed=5)
+    assert table == power_runs.power_table(power_runs.DEFAULT_RATES, [6, 8], 2, base_seed=5)
+    assert table["seeds"] == [6, 8] and table["null_runs"]["learned_share"] == 1.0
+    for effect, key in (("b", "b"), ("M1", "M1"), ("control 0.5", "control")):
+        found = "detects" if key == "control" else REPRODUCED
+        assert power_runs.share(table, effect, 8, key, [found]) == 1.0, effect
+    assert all(power_runs.share(table, power_runs.NULL, 8, k, [REPRODUCED]) == 0 for k in power_runs.KEYS)
+    md = power_runs.markdown(table)
+    assert "| b: DeepNorm ln grad norm 0.3 lower (b reproduced) |" in md and "### The null study" in md
+
+
+def test_the_default_rates_are_measured_on_the_instability_archive(tmp_path):
+    """DEFAULT_RATES are what measure_rates finds on the instability study's archive (the runs at the calibration
+    rates 3e-3 and 1e-2 and the Pre-LN failures at 1e-1): 72 calibration runs in 12 blocks, 24 failure steps."""
+    wanted = ("_lr3e-3_", "_lr1e-2_", "_lr1e-1_")
+    with tarfile.open(REPO / "docs" / "instability_cpu" / "runs.tar.xz") as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("instability_cpu/") and any(w in m.name for w in wanted)]
+        tar.extractall(tmp_path, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    measured = asdict(power_rates.measure_rates([tmp_path / "instability_cpu"]))
+    default = asdict(power_runs.DEFAULT_RATES)
+    measured.pop("source"), default.pop("source")
+    assert measured.pop("pre_ln_failure_steps") == default.pop("pre_ln_failure_steps")
+    assert measured == pytest.approx(default, rel=1e-12)
+    assert (measured["runs"], measured["blocks"], len(power_runs.DEFAULT_RATES.pre_ln_failure_steps)) == (72, 12, 24)
+
+
+def test_the_command_refuses_what_it_cannot_use(tmp_path, capsys):
+    """--rates naming a file that is not a rates file, and --measure on runs with none at the calibration rates,
+    exit 2 with one line naming the reason; --studies 0 is a usage error."""
+    bad = tmp_path / "rates.json"
+    bad.write_text(json.dumps({"runs": 1}))
+    assert power_runs.cli_main(["--out", str(tmp_path / "o"), "--rates", str(bad), "--studies", "1"]) == 2
+    assert f"{bad}: not a rates file" in capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(json.dumps({"optim": {"lr": 0.5}, "train": {"seed": 0}}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 80.0}) + "\n")
+    assert power_runs.cli_main(["--out", str(tmp_path / "o"), "--measure", str(tmp_path / "runs")]) == 2
+    assert "no run that did not fail at the calibration lrs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        power_runs.cli_main(["--out", str(tmp_path / "o"), "--studies", "0"])
+    assert usage.value.code == 2 and not math.isnan(power_runs.DEFAULT_RATES.own_per_100)
