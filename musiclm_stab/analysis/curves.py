@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from musiclm_stab.analysis.failures import KINDS, Failure, failure
+from musiclm_stab.analysis.failures import KINDS, STALL_MARGIN, Failure, failure
 from musiclm_stab.analysis.runs import RunMetrics, plot_warning
 
 MAX_LOGIT = "diag/max_attn_logit/max"  # derived when read: the largest of the per-layer values at a step
@@ -208,10 +208,12 @@ def group_runs(runs: Sequence[RunMetrics], labels: Sequence[str] | None = None) 
     return list(groups.values())
 
 
-def run_failures(runs: Sequence[RunMetrics], unigram_eval_cb0: float | None = None) -> dict[str, Failure]:
-    """{run name: how it failed} (``analysis/failures.failure``, losses read in bits). Without the unigram
-    level no run is found stalled."""
-    return {run.name: failure(run.in_unit("bits"), unigram_eval_cb0) for run in runs}
+def run_failures(runs: Sequence[RunMetrics], unigram_eval_cb0: float | None = None,
+                 stall_margin: float = STALL_MARGIN) -> dict[str, Failure]:
+    """{run name: how it failed} (``analysis/failures.failure``, losses read in bits; stalled: a final held-out
+    codebook-0 loss less than ``stall_margin`` bits below the unigram level). Without the unigram level no run is
+    found stalled."""
+    return {run.name: failure(run.in_unit("bits"), unigram_eval_cb0, stall_margin) for run in runs}
 
 
 def split_by_failure(groups: Sequence[RunGroup], failures: dict[str, Failure]) -> list[RunGroup]:

@@ -132,6 +132,8 @@ CLAIMS_LAYERS = 8
 MECH_LR = 1e-1
 MECH_STEPS = 120
 CONTROL_LRS = (L, 3 * L)  # the control's rates by its pre-registered rule (docs/STUDY.md): L, else 3L
+CONTROL_LAYERS = CLAIMS_LAYERS  # the control's depth: fixed by the pilots' rule (docs/STUDY.md)
+CONTROL_LR = L  # the control's rate: fixed by the pilots' rule (docs/STUDY.md), one of CONTROL_LRS
 
 CLAIMS, MECHANISM = "claims", "mechanism"
 CONTROL_CELLS = ("pre_w", "pre_nw", "post_w", "post_nw")
@@ -486,7 +488,8 @@ def learned_share(runs: Sequence[LearningRun]) -> dict:
     return {"learned": n, "of": len(alive), "share": n / len(alive) if alive else math.nan}
 
 
-def analyse(runs: Sequence[LearningRun], control_layers: int = CLAIMS_LAYERS, control_lr: float | None = None) -> dict:
+def analyse(runs: Sequence[LearningRun], control_layers: int = CONTROL_LAYERS,
+            control_lr: float | None = CONTROL_LR) -> dict:
     """Everything claims.md shows, as one dict (module docstring); ValueError when no run has a role."""
     if not runs:
         raise ValueError("no run of the learning study (learning_role: arm claims at lr "
@@ -614,7 +617,7 @@ DOC_END = "<!-- end of the generated learning claims table -->"
 
 
 def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path, unigram_eval_cb0: float,
-                 control_layers: int = CLAIMS_LAYERS, control_lr: float | None = None) -> tuple[Path, Path]:
+                 control_layers: int = CONTROL_LAYERS, control_lr: float | None = CONTROL_LR) -> tuple[Path, Path]:
     """Analyse ``run_dirs`` (run directories, folders of them, or RunMetrics); write claims.md and claims.json
     (every number; NaN as null, infinities as "inf"/"-inf") into ``out_dir``."""
     runs = read_runs(run_dirs)
@@ -639,11 +642,11 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--unigram", type=float, required=True, metavar="BITS",
                    help="held-out codebook-0 CE of the unigram model (bits): learned = "
                         f"{MARGIN_LEARNED:g} bits below it at the end")
-    p.add_argument("--control-layers", type=int, default=CLAIMS_LAYERS, metavar="N",
-                   help=f"the positive control's depth (default {CLAIMS_LAYERS}, the claims'; the pre-registered "
-                        "rule may run it deeper)")
-    p.add_argument("--control-lr", type=float, metavar="LR",
-                   help="the positive control's rate: L (default) or 3L, as its pre-registered rule chose")
+    p.add_argument("--control-layers", type=int, default=CONTROL_LAYERS, metavar="N",
+                   help=f"the positive control's depth (default {CONTROL_LAYERS}, as its pre-registered rule chose)")
+    p.add_argument("--control-lr", type=float, default=CONTROL_LR, metavar="LR",
+                   help=f"the positive control's rate: L or 3L (default {lr_text(CONTROL_LR)}, as its pre-registered "
+                        "rule chose)")
     p.add_argument("--doc", metavar="MD", help="also put the tables into this file, between its markers")
     args = p.parse_args(argv)
     if args.control_layers < 1:

@@ -95,6 +95,7 @@ from musiclm_stab.analysis.curves import (
     split_by_failure,
     with_derived,
 )
+from musiclm_stab.analysis.failures import STALL_MARGIN
 from musiclm_stab.analysis.runs import PlotWarning, RunMetrics, plot_warning, read_run, run_label
 from musiclm_stab.analysis.style import (
     BAND_ALPHA,
@@ -181,6 +182,7 @@ def make_figures(
     extra: bool = False,
     window: int = 1,
     unigram_eval_cb0: float | None = None,
+    stall_margin: float = STALL_MARGIN,
 ) -> dict[str, Figure]:
     """The study's figures as matplotlib Figures, keyed by file stem ("loss_scale", "loss", ...).
 
@@ -196,7 +198,8 @@ def make_figures(
     held-out curves), drawn when some run logged their metrics.
 
     Failed runs (``analysis/failures.failure``: diverged, dead input; stalled too when
-    ``unigram_eval_cb0``, the held-out unigram level of codebook 0 in bits, is given) are drawn as failed
+    ``unigram_eval_cb0``, the held-out unigram level of codebook 0 in bits, is given: a final held-out
+    codebook-0 loss less than ``stall_margin`` bits below it) are drawn as failed
     (module docstring); with ``bands``, a configuration's failed seeds form a line of their own per kind.
     """
     specs = figure_specs(codebooks, unit)  # checks the unit before any run is read
@@ -212,7 +215,7 @@ def make_figures(
         groups = group_runs(runs, labels)
     else:
         groups = [RunGroup(text, [run]) for run, text in zip(runs, resolve_labels(runs, labels))]
-    groups = split_by_failure(groups, run_failures(runs, unigram_eval_cb0))
+    groups = split_by_failure(groups, run_failures(runs, unigram_eval_cb0, stall_margin))
 
     ends = {run.name: run.last_step for run in runs if run.last_step is not None}
     if len(set(ends.values())) > 1:
@@ -486,11 +489,12 @@ def plot_runs(
     extra: bool = False,
     window: int = 1,
     unigram_eval_cb0: float | None = None,
+    stall_margin: float = STALL_MARGIN,
 ) -> list[Path]:
     """Draw the study's figures for ``runs`` into ``out_dir``; returns the written files.
 
     Each figure is saved once per format (PNG at 150 dpi; PDF/SVG are vector). ``bands``, ``extra``,
-    ``window`` and ``unigram_eval_cb0`` (stalled runs): see make_figures.
+    ``window``, ``unigram_eval_cb0`` and ``stall_margin`` (stalled runs): see make_figures.
     """
     formats = [f.lower().lstrip(".") for f in formats]
     supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
@@ -498,7 +502,8 @@ def plot_runs(
         if f not in supported:
             raise ValueError(f"unknown figure format {f!r}; choose from: {', '.join(sorted(supported))}")
     figures = make_figures(runs, labels=labels, smooth=smooth, log_x=log_x, codebooks=codebooks, unit=unit,
-                           bands=bands, extra=extra, window=window, unigram_eval_cb0=unigram_eval_cb0)
+                           bands=bands, extra=extra, window=window, unigram_eval_cb0=unigram_eval_cb0,
+                           stall_margin=stall_margin)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -87,20 +87,23 @@ from musiclm_stab.host import machine
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 
 
-def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan, stalls: bool = True) -> dict:
+def summarize(run_dir: Path, last: int = 10, unigram_eval_cb0: float = math.nan, stalls: bool = True,
+              stall_margin: float | None = None) -> dict:
     """One run's row of summary.json and the progress report: its lr, precision and seed; final losses
     (training: mean of the last ``last`` logged; held-out: the last evaluation) beside the held-out unigram
     level it is judged against; grad-norm range; skipped and overflowed updates (a divergence's own
     included) and spike cascades; divergence; its failure kind and step (analysis/failures.py: none,
     diverged, dead input, stalled) and the largest fp16 headroom of each place logged; the sha256 of the
     codes it trained on (by the study folder's data.json; None without one). ``stalls`` False: no run is
-    found stalled (the instability design does not assess stalls: docs/STUDY.md)."""
-    from musiclm_stab.analysis.failures import cascades, failure
+    found stalled (the instability design does not assess stalls: docs/STUDY.md); ``stall_margin``: bits below the
+    unigram level a run must end not to be stalled (None: failures.STALL_MARGIN)."""
+    from musiclm_stab.analysis.failures import STALL_MARGIN, cascades, failure
     from musiclm_stab.analysis.instability import headroom_of
     from musiclm_stab.analysis.plot import read_run
 
     run = read_run(run_dir)
-    found = failure(run.in_unit("bits"), unigram_eval_cb0 if stalls and math.isfinite(unigram_eval_cb0) else None)
+    found = failure(run.in_unit("bits"), unigram_eval_cb0 if stalls and math.isfinite(unigram_eval_cb0) else None,
+                    STALL_MARGIN if stall_margin is None else stall_margin)
     train, optim = run.config.get("train") or {}, run.config.get("optim") or {}
     out = {"label": run.label, "run": run.name, "seed": train.get("seed"), "lr": optim.get("lr"),
            "precision": train.get("mixed_precision"),
@@ -329,7 +332,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     # the level every run's held-out codebook-0 loss is judged against (the same data, split and masks)
     unigram = unigram_eval_loss(configs[0])["unigram_eval_cb0"]
     print(f"held-out unigram level (codebook 0, training split's frequencies): {unigram:.3f} bits", flush=True)
-    stalls = study.assesses_stalls
+    stalls, margin = study.assesses_stalls, study.stall_margin
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -350,7 +353,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         state = run_state(cfg)
         if state == "done":  # trained to its last step, or diverged: read, not launched again
             print("(this run directory holds the finished run: not launched again)", flush=True)
-            rows[i] = summarize(cfg.run_dir, unigram_eval_cb0=unigram, stalls=stalls)
+            rows[i] = summarize(cfg.run_dir, unigram_eval_cb0=unigram, stalls=stalls, stall_margin=margin)
             return
         resume = state != "new"  # the trainer resumes from the newest intact checkpoint, if there is one
         ckpt = newest_valid(cfg.run_dir) if resume else None
@@ -383,7 +386,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
                     lg.close()
             raise subprocess.CalledProcessError(proc.returncode, proc.args)
         cfg = configs[i]
-        rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram, stalls=stalls)
+        rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram, stalls=stalls, stall_margin=margin)
         walls[cfg.run_dir.name] = took = time.time() - started
         record = {"wall_s": round(took, 1), "jobs": jobs, "threads_per_run": threads, "resumed": resumed[i],
                   "machine": host}
@@ -420,7 +423,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
     written += plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats,
-                         unigram_eval_cb0=unigram if stalls else None)
+                         unigram_eval_cb0=unigram if stalls else None,
+                         **({"stall_margin": margin} if margin is not None else {}))
     if study.lrs:
         written += save_lr_figure(run_dirs, study.figures_dir, unigram_eval_cb0=unigram, formats=formats, stalls=stalls)
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -429,6 +433,8 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
         claims = write_claims
         if study.design == "instability":  # an arm outside the claims is described, not decided
             claims = write_instability_claims if study.arm == "schemes" else write_failures
+        elif study.design == "learning":
+            from musiclm_stab.analysis.learning import write_claims as claims
         md, js = claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
         written += [md, js]
         print("\n" + md.read_text())

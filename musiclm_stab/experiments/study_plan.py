@@ -8,7 +8,10 @@ its sections 1-2). ``instability``: the instability study (docs/STUDY.md, "The i
 configurations, the QK-Norm control and plain Post-Norm (the positive control) at every rate of a grid that
 crosses the failure boundary, more seeds and shorter runs, with its own overlay on each scale
 (``INSTABILITY_OVERLAYS``); its ``arm`` ``schemes`` holds the conv frontend at its own lr (optim.frontend_lr)
-so that the transformer fails first, ``mert-frontend`` trains it at the run's lr as MERT does."""
+so that the transformer fails first, ``mert-frontend`` trains it at the run's lr as MERT does. ``learning``: the
+learning study (docs/STUDY.md, "The learning study"): the seed claims judged at a horizon where the models learn,
+with a positive control of warmup x Pre/Post-LN and mechanism checks, its runs named by role
+(``LEARNING_ROLES``), each arm at its own rate and horizon (``learning_study``)."""
 
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ DEFAULT_JOBS = {"cpu": 2, "gpu": 1, "full": 1}
 WINDOW_SHARE = 0.01
 ORDERS = ("paired", "shared", "independent")
 
-DESIGNS = ("claims", "instability")
+DESIGNS = ("claims", "instability", "learning")
 POST = "study_postnorm_clip1"  # plain Post-Norm at clip 1: the instability study's positive control
 INSTABILITY_STEMS = (*STUDY_RECIPES, CONTROL, POST)
 INSTABILITY_OVERLAYS: dict[str, Path] = {"cpu": OVERLAYS / "instability_cpu.yaml",
@@ -81,8 +84,43 @@ ARM_OVERRIDES = {"schemes": (), "mert-frontend": ("--optim.frontend_lr=null",)}
 ARM_SUFFIX = {"schemes": "", "mert-frontend": "_mert_frontend"}
 
 
+# The learning study (docs/STUDY.md, "The learning study"). Two arms in one folder, the mechanism arm first (short
+# runs), then the claims arm seed by seed. Each role: (arm, recipe, its own overrides, its runs' name). Its rates,
+# horizons, depths and margin are its analysis's (analysis/learning.py: one place): the claims arm at L for H steps
+# with MERT's warmup share; its control, the 2 x 2 of warmup x Pre/Post-LN (Xiong et al. 2020), ``clip1`` (Pre-LN
+# with warmup) and three more, at CONTROL_LR with CONTROL_LAYERS; the mechanism arm at MECH_LR for MECH_STEPS
+# without warmup (the instability study's regime). Its folder at cpu scale only (no GPU has measured it).
+LEARNING = "learning"
+LEARNING_NAMES = {"cpu": "learning_cpu"}
+LEARNING_OVERLAYS: dict[str, Path] = {"cpu": OVERLAYS / "learning_cpu.yaml"}
+MECHANISM_OVERLAYS: dict[str, Path] = {"cpu": OVERLAYS / "learning_mechanism_cpu.yaml"}
+LEARNING_SEEDS = {"cpu": 8}
+NO_WARMUP = "--optim.warmup_steps=0"
+LEARNING_ROLES: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    # the mechanism arm
+    "m_fp16": ("mechanism", "study_prenorm_clip1_run2", (), "mech_prenorm_clip1_fp16"),
+    "m_warmup": ("mechanism", "study_prenorm_clip1_run2", ("--optim.warmup_steps=30",), "mech_prenorm_clip1_warmup30"),
+    "m_fp32": ("mechanism", "study_prenorm_clip1_run2", ("--train.mixed_precision=no",), "mech_prenorm_clip1_fp32"),
+    "m_post10": ("mechanism", POST, ("--optim.clip_grad=10.0",), "mech_postnorm_clip10_math"),
+    "m_post10_relax": ("mechanism", POST, ("--optim.clip_grad=10.0", "--model.attention=relax"),
+                       "mech_postnorm_clip10_relax"),
+    # the claims arm: the seed figures' four, then the control's three others
+    "clip10": ("claims", "study_prenorm_clip10_run1", (), "study_prenorm_clip10_run1"),
+    "clip1": ("claims", "study_prenorm_clip1_run2", (), "study_prenorm_clip1_run2"),
+    "deepnorm": ("claims", "study_postnorm_deepnorm_clip1", (), "study_postnorm_deepnorm_clip1"),
+    "relax": ("claims", "study_prenorm_attnrelax_clip1", (), "study_prenorm_attnrelax_clip1"),
+    "pre_nw": ("claims", "study_prenorm_clip1_run2", (NO_WARMUP,), "control_prenorm_clip1_nowarmup"),
+    "post_w": ("claims", POST, (), "control_postnorm_clip1_warmup"),
+    "post_nw": ("claims", POST, (NO_WARMUP,), "control_postnorm_clip1_nowarmup"),
+}
+FIGURE_ROLES = ("clip10", "clip1", "deepnorm", "relax")  # the seed figures' four, in legend order
+CONTROL_ROLES = ("clip1", "pre_nw", "post_w", "post_nw")
+
+
 def default_name(scale: str, design: str = "claims", arm: str = "schemes") -> str:
     """The study's folder under --runs at cpu or gpu scale ("" at full scale: the runs folder itself)."""
+    if design == LEARNING:
+        return LEARNING_NAMES.get(scale, "")
     if design == "instability":
         return INSTABILITY_NAMES.get(scale, "") + ARM_SUFFIX[arm] if scale in INSTABILITY_NAMES else ""
     return DEFAULT_NAMES.get(scale, "")
@@ -130,6 +168,16 @@ class Study:
         told from a run that learns; its analysis (analysis/instability.py) assesses none either."""
         return self.design != "instability"
 
+    @property
+    def stall_margin(self) -> float | None:
+        """Bits below the unigram level a run must end not to be stalled: the learning study's margin of
+        "learned" (analysis/learning.py MARGIN_LEARNED), else None (failures.STALL_MARGIN)."""
+        if self.design != LEARNING:
+            return None
+        from musiclm_stab.analysis.learning import MARGIN_LEARNED
+
+        return MARGIN_LEARNED
+
     def run_dirs(self) -> list[Path]:
         return [run.config().run_dir for run in self.runs]
 
@@ -137,13 +185,18 @@ class Study:
     def figure_lr(self) -> float | None:
         """The lr the seed figures draw (FIGURE_LR_INDEX of the grid, the instability design's own; None: a
         study without a grid)."""
+        if self.design == LEARNING:
+            from musiclm_stab.analysis.learning import L
+
+            return L
         index = INSTABILITY_FIGURE_LR_INDEX if self.design == "instability" else FIGURE_LR_INDEX
         return self.lrs[min(index, len(self.lrs) - 1)] if self.lrs else None
 
     @property
     def window(self) -> int:
         """Steps per window mean in the figures: a hundredth of the runs' length, at least one."""
-        cfg = self.runs[0].config()
+        shown = [r for r in self.runs if r.lr == self.figure_lr] if self.design == LEARNING else []
+        cfg = (shown or self.runs)[0].config()  # the learning study: its claims arm, which the figures draw
         return max(1, int(WINDOW_SHARE * min(cfg.train.max_steps, cfg.train.stop_at or cfg.train.max_steps)))
 
 
@@ -195,6 +248,8 @@ def plan_study(
         raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
     if design not in DESIGNS:
         raise ValueError(f"design={design!r}: choose one of {', '.join(DESIGNS)}")
+    if design == LEARNING:
+        return learning_study(scale, runs_dir, data, name, extra, seeds, first_seed, only)
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r}: choose one of {', '.join(ARMS)}")
     instability = design == "instability"
@@ -258,6 +313,59 @@ def plan_study(
     return study
 
 
+def learning_study(scale: str, runs_dir: str | Path = "runs", data: str | Path | None = None, name: str | None = None,
+                   extra: list[str] | None = None, seeds: int | None = None, first_seed: int = 0,
+                   only: tuple[str, ...] | None = None) -> Study:
+    """The learning study's runs (``LEARNING_ROLES``; a run's ``stem`` is its role): the mechanism arm's seeds
+    first, then the claims arm's, seed by seed; ``only`` keeps the runs of these roles. Every run of a seed sees
+    the same batches (data.order_seed unset: train.seed)."""
+    if scale not in LEARNING_OVERLAYS:
+        raise ValueError(f"the learning design runs at scale {' or '.join(LEARNING_OVERLAYS)}, not {scale}")
+    unknown = sorted(set(only or ()) - set(LEARNING_ROLES))
+    if unknown:
+        raise ValueError(f"only={unknown}: the learning study's roles are {', '.join(LEARNING_ROLES)}")
+    n_seeds = LEARNING_SEEDS[scale] if seeds is None else seeds
+    if n_seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {n_seeds}")
+    from musiclm_stab.analysis import learning as rules
+
+    out = Path(runs_dir) / (name or default_name(scale, LEARNING))
+    seed_list = list(range(first_seed, first_seed + n_seeds))
+    base = (rules.CLAIMS_LAYERS, rules.L)  # the claims arm's depth and rate
+    control = (rules.CONTROL_LAYERS, rules.CONTROL_LR)
+    runs = []
+    for arm, overlay, steps in (("mechanism", MECHANISM_OVERLAYS[scale], rules.MECH_STEPS),
+                                ("claims", LEARNING_OVERLAYS[scale], rules.H)):
+        for seed in seed_list:
+            for role, (role_arm, stem, own, title) in LEARNING_ROLES.items():
+                if role_arm != arm or (only is not None and role not in only):
+                    continue
+                if arm == "mechanism":
+                    settings = [(rules.CLAIMS_LAYERS, rules.MECH_LR)]
+                elif role not in CONTROL_ROLES or control == base:
+                    settings = [base]
+                else:  # the control elsewhere: its Pre-LN with warmup a run of its own, the claims' clip1 stays
+                    settings = [base, control] if role == "clip1" else [control]
+                for layers, lr in settings:
+                    parts = [title, *([f"{layers}layers"] if layers != rules.CLAIMS_LAYERS else []),
+                             RUN_SUFFIX[scale], lr_tag(lr), f"s{seed}"]
+                    overrides = [f"--train.name={'_'.join(parts)}", f"--train.output_dir={out}",
+                                 f"--train.seed={seed}", f"--optim.lr={lr}", f"--train.max_steps={steps}", *own]
+                    if layers != rules.CLAIMS_LAYERS:
+                        overrides.append(f"--model.num_layers={layers}")
+                    if data is not None:
+                        overrides.append(f"--data.path={data}")
+                    overrides += as_overrides(extra or [])
+                    configs = [recipe_path(stem), *SCALE_OVERLAYS[scale], overlay]
+                    runs.append(StudyRun(configs, merge_overrides(overrides), role, seed, lr))
+    if not runs:
+        raise ValueError(f"only={list(only or ())}: no run of the plan")
+    study = Study(scale, runs, out / "figures", "paired", seed_list, (), LEARNING)
+    for run in runs:
+        run.config()  # fail now, before hours of training, if any override is wrong
+    return study
+
+
 def _short_run_overrides(configs: list[Path], overrides: list[str], steps: int) -> list[str]:
     """--steps at cpu/gpu scale: warmup a tenth of the run, one checkpoint at its end, evaluation and
     diagnostics about every tenth of it (a multiple of train.log_every, as the config requires)."""
@@ -283,6 +391,9 @@ def merge_overrides(overrides: list[str]) -> list[str]:
 def figure_runs(study: Study) -> list[StudyRun]:
     """The runs the seed figures draw: every seed of the four configurations at the study's figure lr (the
     instability design: its six)."""
+    if study.design == LEARNING:  # the claims arm's four at 8 layers (a run's stem is its role there)
+        return [r for r in study.runs if r.stem in FIGURE_ROLES and r.lr == study.figure_lr
+                and r.config().model.num_layers == 8]
     shown = INSTABILITY_STEMS if study.design == "instability" else STUDY_RECIPES
     return [r for r in study.runs if r.stem in shown and r.lr == study.figure_lr]
 
@@ -302,6 +413,6 @@ def plot_command(study: Study) -> list[str]:
 
 
 def claims_command(study: Study) -> list[str]:
-    module = "instability" if study.design == "instability" else "claims"
+    module = {"instability": "instability", LEARNING: "learning"}.get(study.design, "claims")
     return ["python", "-m", f"musiclm_stab.analysis.{module}",
             *(shown(d) for d in study.run_dirs()), "--out", shown(study.figures_dir)]
