@@ -9,7 +9,8 @@ An fp16 model can compute in two ways here (``train.fp16_impl``):
   tensor. Rounding is ``x.to(float16).to(float32)``: fp16's range and precision exactly, so a value of
   65520 or more becomes inf (and a softmax of it NaN) where it would on a GPU, and values below 2^-24
   flush to zero. The same code path on every CPU; one operation computes in fp32 from fp16-valued inputs
-  and rounds its output once, as a GPU kernel with fp32 accumulation does.
+  and rounds its output once, as a GPU kernel with fp32 accumulation does, except the half kernels that
+  round inside (``HALF_KERNELS``: the MSE and its backward), whose operations it runs one by one.
 
 Two policies, the two fp16 modes of ``train.fp16_mode``:
 
@@ -123,6 +124,7 @@ class _OpKind:
         self.view = not self.written and any(r.alias_info is not None for r in schema.returns)
         self.first_only = self.name in FIRST_OUTPUT_ONLY
         self.amp = self.name in AMP_FP16_OPS
+        self.kernel = None if self.written else HALF_KERNELS.get(self.name)
 
 
 class Fp16Emulation(TorchDispatchMode):
@@ -161,6 +163,8 @@ class Fp16Emulation(TorchDispatchMode):
                 return func(*args, **kwargs)
             args, kwargs = tree_map(_round_float32, (args, kwargs))  # autocast's casts of the inputs
             return _round_outputs(func(*args, **kwargs), kind)
+        if kind.kernel is not None and _all_float32(args):  # a half kernel's own roundings, op by op
+            return kind.kernel(*args, **kwargs)
         out = func(*args, **kwargs)
         if kind.written:  # in place (or out=): the written tensor holds fp16 values
             for i, name in kind.written:
@@ -179,6 +183,46 @@ class Fp16Emulation(TorchDispatchMode):
         fresh = all(o.untyped_storage().data_ptr() not in shared
                     for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.device.type != "meta")
         return _round_outputs(out, kind, in_place=fresh)
+
+
+def _all_float32(args) -> bool:
+    return all(a.dtype == torch.float32 for a in args if isinstance(a, torch.Tensor))
+
+
+# Half kernels whose arithmetic the fairseq policy reproduces operation by operation, where rounding the
+# fp32 result once would differ from what fp16 computes. torch's CPU and CUDA kernels for ``mse_loss`` and
+# its backward do each step in fp16 (c10::Half arithmetic rounds every operation's result), in the same
+# order on both (docs/FIDELITY.md, "musical loss").
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+
+def mse_loss_half(a: torch.Tensor, b: torch.Tensor, reduction: int = REDUCTION_MEAN) -> torch.Tensor:
+    """``mse_loss`` of fp16 values held in float32, as torch's half kernel computes it: ``diff = a - b`` and
+    ``diff * diff`` each rounded to fp16; the mean a float32 sum divided by the element count in float32 and
+    rounded once (CPU; CUDA sums in another order and multiplies by the float32 reciprocal: the same single
+    rounding); the sum a float32 sum rounded once (CUDA's; CPU's half sum kernel adds in another order)."""
+    sq = _round_float32_(a - b)
+    sq = _round_float32_(sq.mul_(sq))
+    if reduction == REDUCTION_NONE:
+        return sq
+    total = sq.sum()
+    return _round_float32_(total.div_(sq.numel()) if reduction == REDUCTION_MEAN else total)
+
+
+def mse_loss_backward_half(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           reduction: int) -> torch.Tensor:
+    """``mse_loss_backward`` of fp16 values held in float32, as torch's half kernel computes it (CPU and CUDA
+    alike): ``alpha * (a - b) * grad`` with ``alpha = 2 / numel`` (2 without a mean) converted to fp16 through
+    float32 (``Scalar::to<Half>``), and every product and difference rounded to fp16. At MERT-330M's size
+    alpha is a subnormal (68 x 2^-24), so ``alpha * (a - b)`` is quantized to multiples of 2^-24 before the
+    large upstream gradient (loss scale x masked frames) multiplies it."""
+    alpha = 2.0 / a.numel() if reduction == REDUCTION_MEAN else 2.0
+    alpha = torch.tensor(alpha, dtype=torch.float32).to(torch.float16).item()
+    scaled = _round_float32_(_round_float32_(a - b).mul_(alpha))
+    return _round_float32_(scaled.mul_(grad))
+
+
+HALF_KERNELS = {"mse_loss": mse_loss_half, "mse_loss_backward": mse_loss_backward_half}
 
 
 def _round_outputs(out, kind: _OpKind, in_place: bool = False):
