@@ -1,6 +1,6 @@
 """The fairseq fp16 emulation (model/fp16_arith.py) audited op by op against real half tensors: every aten
 operation of an emulated training step replayed on the fp16 versions of its recorded inputs with torch's CPU
-half kernels."""
+half kernels, and the step itself unchanged, to the bit, by what the emulation leaves unrounded."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from musiclm_stab.config import ModelConfig
+from musiclm_stab.config import ModelConfig, OptimConfig, TrainConfig
 from musiclm_stab.model import MusicMLM, fp16_arith
 from musiclm_stab.model.fp16_arith import (
     FIRST_OUTPUT_ONLY,
+    VALUE_COPIES,
     Fp16Emulation,
+    emulating,
     no_rounding,
     round_fp16,
 )
+from musiclm_stab.training.optim import build_optimizer
+from musiclm_stab.training.precision import FairseqFp16
 
 # The operations whose emulated result may differ from CPU half's, and why (docs/FIDELITY.md, "emulation vs
 # real half"). Each computes in fp32 and rounds once in both; what differs is inside the kernel.
@@ -117,6 +121,54 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def train_step() -> dict[str, torch.Tensor]:
+    """One fairseq fp16 update of the tiny model, emulated, through the trainer's own FairseqFp16: the loss,
+    every fp16 gradient, and the parameters and fp32 masters after the update."""
+    from accelerate import Accelerator
+
+    model, batch = tiny_model()
+    precision = FairseqFp16(Accelerator(cpu=True), TrainConfig(mixed_precision="fp16"), "emulate")
+    optimizer = build_optimizer(precision.prepare_model(model), OptimConfig())
+    precision.attach(optimizer)
+    precision.begin_update(batch["mask"].sum())
+    with precision.forward():
+        out = model(precision.cast_input(batch["wav"]), batch["wav"], batch["codes"], batch["mask"])
+    precision.backward(out.loss, 1)
+    state = {"loss": out.loss.detach().clone()}
+    state.update({f"grad/{n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    result = precision.step(model, optimizer, 10.0)
+    assert result.applied
+    state.update({f"param/{n}": p.detach().clone() for n, p in model.named_parameters()})
+    state.update({f"master/{i}": m.detach().clone() for i, m in enumerate(precision.master)})
+    return state
+
+
+class RoundCopies(TorchDispatchMode):
+    """The emulation as it was before it left copies unrounded: their float32 outputs rounded again."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        copy = func._overloadpacket.__name__ in VALUE_COPIES
+        if copy and emulating() == "fairseq" and not fp16_arith._local.paused:
+            out = tree_map(lambda t: round_fp16(t) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                           else t, out)
+        return out
+
+
+def test_unrounded_copies_and_flat_arguments_change_no_bit_of_an_update(one_thread, fresh_accelerate_state,
+                                                                           monkeypatch):
+    """An emulated fairseq fp16 update (loss, fp16 gradients, parameters and fp32 masters after AdamW) is the
+    same to the bit as with copies (clone, _unsafe_view, ...) rounded again and every argument list walked
+    with the pytree, as the emulation did before leaving them out."""
+    fast = train_step()
+    monkeypatch.setattr(fp16_arith, "_tensors", lambda args, kwargs: tensors((args, kwargs)))
+    with RoundCopies():
+        reference = train_step()
+    assert fast.keys() == reference.keys() and len(fast) > 40
+    different = [k for k in fast if not torch.equal(fast[k], reference[k])]
+    assert not different, different
 
 
 def test_every_operation_of_an_emulated_step_is_real_half_to_the_bit_but_the_named_ones(one_thread):
