@@ -291,3 +291,56 @@ def test_relax_backward_in_fp16_equals_math_and_has_32x_less_headroom():
     math_grads, relax_grads = attention_grads("math", 1024.0), attention_grads("relax", 1024.0)
     assert all(torch.isfinite(g).all() for g in math_grads)
     assert not all(torch.isfinite(g).all() for g in relax_grads)
+
+
+def random_mse_case(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 prediction, target and upstream gradient (float32 holding fp16 values) of a random shape, with
+    residuals from 1e-5 (below the subnormal threshold of alpha x residual) to 10 and an upstream gradient
+    of 1e-2 to 6e4 (a loss scale times masked frames)."""
+    dims = int(torch.randint(1, 4, (), generator=gen))
+    shape = tuple(int(n) for n in torch.randint(1, 70, (dims,), generator=gen))
+    level = float(10 ** (torch.rand((), generator=gen) * 3 - 1))
+    spread = float(10 ** (torch.rand((), generator=gen) * 6 - 5))
+    target = round_fp16(level * torch.rand(shape, generator=gen))
+    pred = round_fp16(target + spread * torch.randn(shape, generator=gen))
+    grad = round_fp16(torch.tensor(float(10 ** (torch.rand((), generator=gen) * 6.7 - 2))))
+    return pred, target, grad
+
+
+def test_emulated_mse_kernels_are_torchs_half_kernels_to_the_bit():
+    """mse_loss (none, mean) and mse_loss_backward (none, mean, sum) under the fairseq emulation equal torch's
+    CPU half kernels bit for bit over 120 random shapes and magnitudes: each difference and product rounded
+    to fp16, alpha = 2/numel converted to fp16 through float32, the mean one rounding of a float32 mean."""
+    gen = torch.Generator().manual_seed(0)
+    aten = torch.ops.aten
+    for _ in range(120):
+        pred, target, grad = random_mse_case(gen)
+        with Fp16Emulation("fairseq"):
+            losses = [aten.mse_loss(pred, target, r) for r in (0, 1)]
+            grads = [aten.mse_loss_backward(g, pred, target, r) for g, r in ((grad.expand(pred.shape), 0),
+                                                                               (grad, 1), (grad, 2))]
+        half = pred.half(), target.half()
+        assert all(torch.equal(x, aten.mse_loss(*half, r).float()) for x, r in zip(losses, (0, 1)))
+        assert all(torch.equal(x, aten.mse_loss_backward(g.half(), *half, r).float())
+                   for x, (g, r) in zip(grads, ((grad.expand(pred.shape), 0), (grad, 1), (grad, 2))))
+
+
+def test_mert_330m_musical_gradient_is_zero_below_a_residual_of_1_136():
+    """At MERT-330M's musical MSE size (1469 frames x 336 bins) alpha = 2/numel is the fp16 subnormal
+    68 x 2^-24, and alpha x residual rounds to fp16 before the upstream gradient multiplies it: a residual
+    of 0.007 gets exactly zero gradient, 0.0075 one 2^-24 step, 0.1 seven (6.8 exactly), emulated as on real
+    half tensors; the emulation before computed 2/numel x residual x gradient in fp32 and rounded once."""
+    frames, bins = MERT_330M_FRAMES, 336
+    assert round_fp16(torch.tensor(2.0 / (frames * bins))).item() == 68 * 2**-24
+    target = torch.zeros(frames, bins)
+    pred = target.clone()
+    pred[:, 0], pred[:, 1], pred[:, 2] = 0.007, 0.0075, 0.1
+    pred = round_fp16(pred)
+    grad_out = round_fp16(torch.tensor(32.0 * frames))  # loss scale 32 x masked frames, 47008 in fp16
+    with Fp16Emulation("fairseq"):
+        emulated = torch.ops.aten.mse_loss_backward(grad_out, pred, target, 1)
+    real = torch.ops.aten.mse_loss_backward(grad_out.half(), pred.half(), target.half(), 1).float()
+    assert torch.equal(emulated, real)
+    assert (emulated[:, 0] == 0).all() and (emulated[:, 3:] == 0).all()
+    for column, steps in ((1, 1), (2, 7)):
+        assert (emulated[:, column] == round_fp16(torch.tensor(steps * 2**-24 * 47008.0))).all()

@@ -280,8 +280,9 @@ class FairseqFp16(Precision):
         return emulation("fairseq" if self.impl == "emulate" else None)
 
     def cast_input(self, wav):
-        # fairseq's trainer casts the sample to half (apply_half); the emulation rounds it at the first operation
-        return wav.half() if self.impl == "half" else wav
+        # fairseq's trainer casts the sample to half (apply_half); the emulation rounds it, so that every
+        # float32 tensor the fp16 model reads holds an fp16 value (the emulation leaves copies unrounded)
+        return wav.half() if self.impl == "half" else round_fp16(wav)
 
     def begin_update(self, frames):
         self.frames = max(1.0, float(frames))
