@@ -9,7 +9,7 @@
     ms.features("song.wav", encoder, layers=[2]).layers[2]                 # [T, width] at 75 Hz
     ms.plot([run], "figures/")                                             # the study's figures
 
-Each verb is the function that a ``musiclm-stab`` command (or ``accelerate launch recipes/pretrain.py``)
+Each verb is the function that a ``musiclm-stab`` command (``musiclm-stab train`` for ``ms.train``)
 runs, so a script and the command line give the same results and write the same files. The modules
 behind a verb are imported when it is first called: ``import musiclm_stab`` stays light.
 
@@ -21,6 +21,7 @@ in an installed wheel as in a checkout. Settings are ``{"section.key": value}`` 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,65 +44,51 @@ Recipes = PathLike | Sequence[PathLike]
 Settings = Mapping[str, Any] | Sequence[str] | None
 
 
-def _recipes_dir() -> Path:
-    from musiclm_stab.experiments.launch import PACKAGED_RECIPES
-
-    return PACKAGED_RECIPES
-
-
 def recipes() -> list[str]:
     """The names of the recipes that ship with the package (training recipes and overlays)."""
-    root = _recipes_dir()
-    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml")
-                  if p.parent.name != "accelerate")
+    from musiclm_stab.config import recipe_names
+
+    return recipe_names()
 
 
 def recipe(name: PathLike) -> Path:
     """The YAML file of a recipe: a path to an existing file, or the name of a packaged recipe (``"tiny"``,
     ``"overlays/tiny"``). Raises ConfigError naming the packaged recipes when it is neither."""
-    return _recipe_file(name)
+    from musiclm_stab.config import recipe_file
 
-
-def _recipe_file(name: PathLike) -> Path:  # ``recipe`` under another name, for the functions whose argument it is
-    from musiclm_stab.config import ConfigError
-
-    path = Path(name)
-    if path.is_file():
-        return path
-    packaged = _recipes_dir() / (str(name) if str(name).endswith(".yaml") else f"{name}.yaml")
-    if packaged.is_file():
-        return packaged
-    raise ConfigError(f"recipe {str(name)!r} is neither a file nor a packaged recipe (one of: {', '.join(recipes())})")
-
-
-def _value(value: Any) -> str:
-    """A Python value as the command line writes a setting's value."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_value(v) for v in value) + "]"
-    return repr(value) if isinstance(value, float) else str(value)
+    return recipe_file(name)
 
 
 def _overrides(settings: Settings) -> list[str]:
+    from musiclm_stab.config import setting_text
+
     if settings is None:
         return []
     if isinstance(settings, Mapping):
-        return [f"{key}={_value(value)}" for key, value in settings.items()]
+        return [f"{key}={setting_text(value)}" for key, value in settings.items()]
     return [str(s) for s in settings]
+
+
+def _in_python_words(message: str) -> str:
+    """A message of the command line in the words of a Python caller of ``ms.train``: ``resume=True`` for
+    ``--resume``, the setting in ``settings`` for ``--train.name`` (or ``--train.name=x``)."""
+    from musiclm_stab.config import SETTING_NAME
+
+    message = message.replace("the same command and --resume", "the same call with resume=True")
+    message = re.sub(r"--resume\b", "resume=True", message)
+    return re.sub(rf"--({SETTING_NAME}(?:=[^\s,;)]*[^\s,;).])?)", r'"\1" in settings', message)
 
 
 def make_config(recipe: Recipes = "tiny", settings: Settings = None, *,
                 data: PathLike | Sequence[PathLike] | None = None) -> Config:
     """The resolved run configuration: ``recipe`` (one, or several layered in order: a recipe then
     overlays), then ``data`` (data.path), then ``settings``; validated (ConfigError names a bad setting)."""
-    from musiclm_stab.config import load_config
+    from musiclm_stab.config import load_config, setting_text
 
     names = [recipe] if isinstance(recipe, (str, Path)) else list(recipe)
-    extra = [] if data is None else [f"data.path={_value(data if isinstance(data, (str, Path)) else list(data))}"]
-    return load_config([_recipe_file(n) for n in names], [*extra, *_overrides(settings)])
+    paths = data if isinstance(data, (str, Path)) else list(data or [])
+    extra = [] if data is None else [f"data.path={setting_text(paths)}"]
+    return load_config(names, [*extra, *_overrides(settings)])
 
 
 def tokenize(src: PathLike, out_dir: PathLike, weights: PathLike | None = None, **options: Any) -> TokenizeSummary:
@@ -121,9 +108,10 @@ def train(recipe: Recipes | Config = "tiny", settings: Settings = None, *,
     """Pretrain in this process and return the run directory (``train.output_dir``/``train.name``).
 
     ``recipe``, ``settings``, ``data``: as ``make_config`` (or a Config). The loop and the run directory are
-    those of ``accelerate launch recipes/pretrain.py`` (metrics.jsonl, checkpoints, config.yaml), with a
-    fresh accelerate state for each call, so a notebook may train several runs. ``resume``: continue from
-    the newest complete checkpoint. Several processes or GPUs: use ``accelerate launch`` (docs/TRAINING.md).
+    those of ``musiclm-stab train`` (metrics.jsonl, checkpoints, config.yaml), with a fresh accelerate state
+    for each call, so a notebook may train several runs. ``resume``: continue from the newest complete
+    checkpoint. Several processes or GPUs: ``musiclm-stab train`` with accelerate's options (docs/TRAINING.md).
+    Errors name ``resume=True`` and the settings where the command line's would name its options.
     """
     from musiclm_stab.config import Config
     from musiclm_stab.experiments.sweep import train_in_process
@@ -131,14 +119,20 @@ def train(recipe: Recipes | Config = "tiny", settings: Settings = None, *,
     if isinstance(recipe, Config) and (settings or data is not None):
         raise TypeError("train(Config, ...): settings and data go into the Config (musiclm_stab.config)")
     cfg = recipe if isinstance(recipe, Config) else make_config(recipe, settings, data=data)
-    return train_in_process(cfg, resume=resume)
+    try:
+        return train_in_process(cfg, resume=resume)
+    except Exception as e:  # the trainer's own errors, said to a Python caller; the same exception goes on
+        if type(e).__module__.startswith("musiclm_stab.") and e.args and isinstance(e.args[0], str):
+            e.args = (_in_python_words(e.args[0]), *e.args[1:])
+        raise
 
 
-def evaluate(run: PathLike, data: PathLike | None = None, split: str = "eval", device: str = "cpu",
+def evaluate(run: PathLike, data: PathLike | None = None, split: str = "eval", device: str | None = None,
              write: bool = True) -> dict[str, Any]:
     """Held-out loss per codebook of a run (its newest checkpoint) or a checkpoint directory
     (``musiclm-stab evaluate``): ``{"eval/acoustic_mlm_loss/cb0": ..., "step": ..., "unit": ...}``.
-    Deterministic; written to RUN/eval/step_N.json unless ``write`` is False."""
+    ``device``: CUDA when there is one, unless given (as the command and the other verbs). Deterministic on
+    one device; written to RUN/eval/step_N.json unless ``write`` is False."""
     from musiclm_stab.analysis.evaluate import evaluate as _evaluate
 
     return _evaluate(run, data=data, split=split, device=device, write=write)

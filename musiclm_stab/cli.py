@@ -1,6 +1,6 @@
-"""The `musiclm-stab` command: one subcommand per module, each owning its own arguments.
-
-Training itself runs through ``accelerate launch recipes/pretrain.py``; everything else is here.
+"""The `musiclm-stab` command (also ``python -m musiclm_stab``): one subcommand per module, each owning its own
+arguments. ``train`` runs the trainer under ``accelerate launch`` (experiments/train.py); ``docs`` prints the
+reference pages that ship with the package.
 """
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ import os
 import select
 import sys
 
+from musiclm_stab import __version__
+
 # subcommand -> (module, one-line help, reference page). Each module exposes ``cli_main(argv) -> int``, and its
 # parser's --help ends with "Reference: <the same page>" (tests/test_docs.py keeps the two in step).
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("musiclm_stab.experiments.train",
+              "pretrain under accelerate launch: recipes by name, every setting as --section.key=value",
+              "docs/TRAINING.md"),
     "build-corpus": ("musiclm_stab.corpus.build", "render the default corpus of real music (offline)",
                      "docs/TOKENIZING.md"),
     "make-weights": ("musiclm_stab.tokenizer.fit", "make local EnCodec weights with fitted codebooks",
@@ -38,18 +43,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "75 Hz per-layer features of audio of any length (chunked), to .npy", "docs/EXPORT.md"),
     "quickstart": ("musiclm_stab.experiments.quickstart", "the main job: corpus, tokenize, pretrain, evaluate",
                    "README.md"),
+    "docs": ("musiclm_stab.reference", "print a reference page (README, TRAINING, ...) or list them, offline",
+             "README.md"),
 }
 
 
 def usage() -> str:
     """The top-level help: what the project is, each command in one line with its reference page."""
-    lines = ["usage: musiclm-stab <command> [args...]", "",
-             "Pretrain music masked-LMs (MERT-style) and study their training stability. Start at README.md.",
-             "", "commands:"]
+    lines = ["usage: musiclm-stab [--version] <command> [args...]", "",
+             "Pretrain music masked-LMs (MERT-style) and study their training stability. Start at README.md "
+             "(musiclm-stab docs README).", "", "commands:"]
     lines += [f"  {name:<14}{help_} ({page})" for name, (_, help_, page) in COMMANDS.items()]
-    lines += ["", "training: accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--section.key=value ...]",
-              "          (docs/TRAINING.md)",
-              "", "Each command's --help says what it does and names its reference page."]
+    lines += ["", "training: musiclm-stab train --config tiny --data.path=work/tokens [--section.key=value ...]",
+              "          musiclm-stab train --help lists every setting (docs/TRAINING.md)",
+              "", "Each command's --help says what it does and names its reference page; musiclm-stab docs PAGE "
+              "prints one."]
     return "\n".join(lines)
 
 
@@ -57,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"musiclm-stab {__version__}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"musiclm-stab: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 A recipe is a small YAML file with the sections below (`data`, `model`, `optim`, `train`); anything
 not given takes the dataclass default. Overlays (recipes/overlays/*.yaml) are recipes layered after
-another: ``--config recipe.yaml --config recipes/overlays/tiny.yaml``. Command-line overrides use dotted keys:
+another: ``--config study_prenorm_clip1_run2 --config overlays/tiny``. Command-line overrides use dotted keys:
 ``--model.norm_scheme=post --train.max_steps=20``. The fully resolved config is written to
 ``runs/<name>/config.yaml`` and is what evaluation, plotting and export read back.
 
@@ -130,35 +130,51 @@ def _finite(section: str, values: Any) -> None:
             raise ConfigError(f"{section}.{f.name} must be a finite number, got {_show(value)}")
 
 
+def _setting(default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
+    """A setting's field: its default, one line saying what it does and, for a setting with a fixed set of
+    values, its choices (``metadata={"help": ...}``, as HfArgumentParser reads it): the trainer's --help
+    lists every setting from these (``setting_docs``)."""
+    metadata = {"help": doc, **({"choices": choices} if choices else {})}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class DataConfig:
-    # Tokenized dataset (musiclm-stab tokenize ...), or a list of them, e.g. the shards of --shard i/n:
-    # YAML list or --data.path=[a,b].
-    path: str | list[str] = "work/default_corpus_tokens"
+    path: str | list[str] = _setting(
+        "work/default_corpus_tokens", "tokenized dataset to train on (musiclm-stab tokenize), or a list of "
+        "them (YAML list or --data.path=[a,b]), e.g. the shards of --shard i/n")
     # Read it as a stream (datasets.IterableDataset): one pass per epoch, each process taking its own
     # examples of every global batch (data.StreamingCrops), shuffled within a buffer of this many rows
     # (0: in file order, the order of the saved dataset's rows).
-    streaming: bool = False
-    shuffle_buffer: int = 100
-    crop_seconds: float = 5.0  # random crop per example, aligned to 320-sample frames
-    eval_fraction: float = 0.1  # share of *tracks* held out for evaluation (by a hash of the track id)
-    batch_size: int = 4  # per process, per micro-step
-    num_workers: int = 0
+    streaming: bool = _setting(
+        False, "read the data as a stream: one pass per epoch, shuffled within data.shuffle_buffer rows")
+    shuffle_buffer: int = _setting(100, "streaming: rows of the shuffle buffer (0: in file order)")
+    crop_seconds: float = _setting(5.0, "random crop per example, aligned to 320-sample frames")
+    eval_fraction: float = _setting(
+        0.1, "share of *tracks* held out for evaluation (by a hash of the track id)")
+    batch_size: int = _setting(4, "crops per process, per micro-step")
+    num_workers: int = _setting(0, "DataLoader worker processes of each training process")
     # In-batch noise mixup of the input (targets stay clean): per clip with probability mixup_prob, 1 to
     # mixup_max_segments segments of mixup_min..max_seconds (per size when None) from the other clips.
     # `mert`: cut from the other clips joined end to end and added as they are (MERT's inbatch_noise_augment,
     # volume 1.0); `rms`: each from one other clip, scaled to the clip's RMS times mixup_gain_db.
-    mixup_mode: str = "mert"
-    mixup_prob: float = 0.5
-    mixup_max_segments: int = 3
-    mixup_min_seconds: float | None = None
-    mixup_max_seconds: float | None = None
-    mixup_gain_db: tuple[float, float] = (-10.0, 0.0)  # `rms` only: segment level relative to the clip's RMS
+    mixup_mode: str = _setting(
+        "mert", "in-batch noise mixup: the other clips joined end to end (mert) or one clip per segment "
+        "at the clip's RMS (rms)", MIXUP_MODES)
+    mixup_prob: float = _setting(0.5, "probability that a clip gets noise mixup (targets stay clean)")
+    mixup_max_segments: int = _setting(3, "noise segments per mixed clip: 1 to this many")
+    mixup_min_seconds: float | None = _setting(None, "shortest noise segment, seconds")
+    mixup_max_seconds: float | None = _setting(None, "longest noise segment, seconds")
+    mixup_gain_db: tuple[float, float] = _setting(
+        (-10.0, 0.0), "`rms` only: segment level relative to the clip's RMS, [low, high] dB")
     # Seed of the data order (None: train.seed, so each seed has its own order). It covers which training
     # segments each step sees and in what order (the epoch's permutation, or the streaming shuffle buffer)
     # and where each crop starts; noise mixup and span masks stay with train.seed, as do init and dropout.
     # Runs with one order_seed and different train.seed see the same crops in the same order.
-    order_seed: int | None = None
+    order_seed: int | None = _setting(
+        None, "seed of the data order: segments, their order, crop starts (none: train.seed)")
 
     def resolved(self, size: str) -> DataConfig:
         """Copy with the model size's values filled in where not given explicitly."""
@@ -196,47 +212,58 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    size: str = "tiny"
+    size: str = _setting(
+        "tiny", "model size, whose defaults fill every setting left at none: tiny (CPU), base (MERT-95M), "
+        "large (MERT-330M)", MODEL_SIZES)
     # None: the size's value (SIZE_DEFAULTS); setting one overrides it.
-    num_layers: int | None = None
-    width: int | None = None
-    ffn_dim: int | None = None
-    num_heads: int | None = None
-    conv_dim: int | None = None
+    num_layers: int | None = _setting(None, "transformer layers")
+    width: int | None = _setting(None, "model width (embedding dimension)")
+    ffn_dim: int | None = _setting(None, "inner dimension of the feed-forward blocks")
+    num_heads: int | None = _setting(None, "attention heads (must divide model.width)")
+    conv_dim: int | None = _setting(None, "channels of the conv frontend")
     # Normalization scheme and its orthogonal switches (see model/norm_schemes.py).
-    norm_scheme: str | None = None
-    attention: str = "sdpa"
-    norm_type: str = "layernorm"
-    qk_norm: bool = False
-    relax_alpha: float = 32.0
+    norm_scheme: str | None = _setting(
+        None, "normalization scheme: placement, residual scaling and init (model/norm_schemes.py)", NORM_SCHEMES)
+    attention: str = _setting(
+        "sdpa", "attention: fused (sdpa), explicit as MERT computed it (math), or PB-relax (relax)", ATTENTION_FORMS)
+    norm_type: str = _setting("layernorm", "the norm the scheme places", NORM_TYPES)
+    qk_norm: bool = _setting(False, "normalize queries and keys before their product (QK-Norm)")
+    relax_alpha: float = _setting(
+        32.0, "attention=relax: queries divided by relax_alpha x sqrt(d) before the product")
     # Encoder weight init: `mert` N(0, 0.02) for every encoder Linear (fairseq's init_bert_params), `xavier`
     # xavier_normal_; either way the scheme's gain multiplies fc1, fc2, out_proj, v_proj (model/encoder.py).
-    init: str = "mert"
+    init: str = _setting(
+        "mert", "encoder weight init: N(0, 0.02) as MERT (mert) or xavier normal; the scheme's gain on top",
+        INIT_SCHEMES)
     # Regularization (None: the size's value).
-    dropout: float | None = None
-    attention_dropout: float | None = None
-    activation_dropout: float = 0.0
-    feature_dropout: float | None = None  # MERT's dropout_input
-    layerdrop: float | None = None
-    feature_grad_mult: float | None = None
+    dropout: float | None = _setting(None, "dropout in the transformer layers")
+    attention_dropout: float | None = _setting(None, "dropout on the attention weights")
+    activation_dropout: float = _setting(0.0, "dropout after the feed-forward activation")
+    feature_dropout: float | None = _setting(
+        None, "dropout on the frontend's features (MERT's dropout_input)")
+    layerdrop: float | None = _setting(None, "probability that a training step skips a transformer layer")
+    feature_grad_mult: float | None = _setting(None, "scale of the gradient into the conv frontend")
     # Masking (HuBERT span masking). require_same_masks: as fairseq, every row of a batch is trimmed to
     # the batch's smallest masked count by unmasking random masked frames (data/masking.py).
-    mask_prob: float = 0.8
-    mask_length: int = 5
-    require_same_masks: bool = True
+    mask_prob: float = _setting(0.8, "HuBERT span masking: share of frames masked, before spans overlap")
+    mask_length: int = _setting(5, "frames per masked span")
+    require_same_masks: bool = _setting(
+        True, "trim every row of a batch to the batch's smallest masked count, as fairseq")
     # Acoustic stream: HuBERT-style cosine logits against label embeddings, one head per codebook.
-    num_codebooks: int = 8
-    codebook_size: int = 1024
-    final_dim: int | None = None
-    logit_temp: float = 0.1
+    num_codebooks: int = _setting(8, "EnCodec codebooks predicted, one head each (the data's tokenizer's)")
+    codebook_size: int = _setting(1024, "codes per codebook (the data's tokenizer's)")
+    final_dim: int | None = _setting(
+        None, "dimension the acoustic heads project to (cosine logits against label embeddings)")
+    logit_temp: float = _setting(0.1, "temperature of the acoustic heads' cosine logits")
     # Musical stream: CQT regression of the clean crop.
-    cqt_bins: int = 336
-    cqt_bins_per_octave: int = 48
-    cqt_fmin: float = 32.7
-    musical_weight: float = 1.0
-    features_pen_weight: float = 10.0
-    pos_conv_kernel: int = 128
-    pos_conv_groups: int = 16
+    cqt_bins: int = _setting(336, "bins of the musical stream's CQT target")
+    cqt_bins_per_octave: int = _setting(48, "CQT bins per octave")
+    cqt_fmin: float = _setting(32.7, "lowest CQT frequency, Hz")
+    musical_weight: float = _setting(1.0, "weight of the musical (CQT) loss")
+    features_pen_weight: float = _setting(
+        10.0, "weight of the features penalty (mean square of the frontend's output)")
+    pos_conv_kernel: int = _setting(128, "kernel width of the positional convolution")
+    pos_conv_groups: int = _setting(16, "groups of the positional convolution (must divide model.width)")
 
     def resolved(self) -> ModelConfig:
         """Copy with the size's values filled in where not given explicitly."""
@@ -312,28 +339,35 @@ def _check_cqt(bins: int, fmin: float, per_octave: int) -> None:
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-4
+    lr: float = _setting(5e-4, "peak learning rate (AdamW)")
     # The conv frontend's own peak lr (its parameters in a group of their own, on the same schedule); None:
     # optim.lr, as in MERT. A study arm that compares the transformer's norm schemes across a wide lr grid
     # can hold the frontend at a rate where it lives (docs/STUDY.md): under Adam a gradient multiplier such as
     # model.feature_grad_mult barely changes the frontend's steps, its lr does.
-    frontend_lr: float | None = None
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-6
-    weight_decay: float = 0.01
+    frontend_lr: float | None = _setting(None, "peak learning rate of the conv frontend (none: optim.lr)")
+    betas: tuple[float, float] = _setting((0.9, 0.98), "AdamW betas")
+    eps: float = _setting(1e-6, "AdamW epsilon")
+    weight_decay: float = _setting(0.01, "AdamW weight decay")
     # Linear warmup over warmup_steps updates; when not given, over warmup_share of train.max_steps
     # (0.08: MERT's 32k of 400k updates, both sizes).
-    warmup_steps: int | None = None
-    warmup_share: float = 0.08
-    fused: bool = True  # torch's fused AdamW kernel (CPU and CUDA): ~5x faster optimizer step than foreach on CPU
+    warmup_steps: int | None = _setting(
+        None, "updates of linear warmup (none: optim.warmup_share of train.max_steps)")
+    warmup_share: float = _setting(
+        0.08, "warmup as a share of train.max_steps, when optim.warmup_steps is none")
+    fused: bool = _setting(
+        True, "torch's fused AdamW kernel (CPU and CUDA): ~5x faster optimizer step than foreach on CPU")
     # Gradient clipping (see stability.GradClipper): `fixed` clips at clip_grad; the adaptive rules
     # `zclip` and `autoclip` use clip_grad until clip_warmup finite norms have been seen.
-    clip_mode: str = "fixed"
-    clip_grad: float = 10.0
-    clip_warmup: int = 25
-    zclip_z: float = 2.5
-    zclip_alpha: float = 0.97
-    autoclip_percentile: float = 10.0
+    clip_mode: str = _setting(
+        "fixed", "gradient clipping: at optim.clip_grad (fixed), or adaptive (zclip, autoclip)", CLIP_MODES)
+    clip_grad: float = _setting(
+        10.0, "gradient-norm clipping threshold (adaptive modes: until optim.clip_warmup norms are seen)")
+    clip_warmup: int = _setting(25, "adaptive clipping: finite norms seen before the rule takes over")
+    zclip_z: float = _setting(
+        2.5, "zclip: clip norms more than this many standard deviations above their mean")
+    zclip_alpha: float = _setting(0.97, "zclip: decay of the norm's running mean and variance")
+    autoclip_percentile: float = _setting(
+        10.0, "autoclip: the threshold is this percentile of the norms seen")
 
     def resolved(self, max_steps: int) -> OptimConfig:
         """Copy with warmup_steps filled in from warmup_share of ``max_steps`` where not given."""
@@ -368,68 +402,84 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    name: str = "tiny"  # run directory: <output_dir>/<name>
-    output_dir: str = "runs"
-    run: int = 1  # run number, shown in legends ("Run 1") only: init and data follow train.seed
-    label: str | None = None  # legend text; derived from the config when not given
-    seed: int = 0
-    max_steps: int = 100  # optimizer updates; the lr schedule decays to 0 here
-    stop_at: int | None = None  # stop early at this step (with a checkpoint), schedule unchanged; --resume goes on
-    mixed_precision: str = "no"
+    name: str = _setting("tiny", "run directory: train.output_dir/train.name")
+    output_dir: str = _setting("runs", "folder of the run directories")
+    run: int | None = _setting(
+        None, 'run number in legends ("Run 2") of numbered runs of one configuration, as the study\'s (none: '
+        "not numbered); legend text only: init and data follow train.seed")
+    label: str | None = _setting(None, "legend text (none: derived from the config)")
+    seed: int = _setting(
+        0, "seed of init, dropout, masks and mixup (and of the data order unless data.order_seed)")
+    max_steps: int = _setting(100, "optimizer updates; the lr schedule decays to 0 here")
+    stop_at: int | None = _setting(
+        None, "stop early at this step (with a checkpoint), schedule unchanged; --resume goes on")
+    mixed_precision: str = _setting(
+        "no", "number format: fp32 (no), bf16 autocast, or fp16 (train.fp16_mode)", MIXED_PRECISION)
     # fp16 (mixed_precision=fp16) as fairseq's --fp16 computes it, what MERT trained with (`fairseq`: weights,
     # activations and gradients in fp16, fp32 master weights, fairseq's dynamic loss scaler below), or torch
     # autocast with its GradScaler (`amp`: fp32 weights and residual stream; init scale 65536, growth every
     # 2000 steps, no floor). fp16_impl: `half` (real half tensors), `emulate` (fp32 tensors rounded to fp16
     # wherever the fp16 model holds one: any CPU, the same on every one), `auto` (half on CUDA, else emulate).
-    fp16_mode: str = "fairseq"
-    fp16_impl: str = "auto"
+    fp16_mode: str = _setting(
+        "fairseq", "fp16 as fairseq's --fp16 computed it (MERT's) or as torch amp", FP16_MODES)
+    fp16_impl: str = _setting(
+        "auto", "fp16 as half tensors, emulated in fp32 (the same on any CPU), or auto (half on CUDA)", FP16_IMPLS)
     # fairseq's DynamicLossScaler (fairseq mode): start at fp16_init_scale, halve on every overflow (the update
     # is skipped and not counted), double after fp16_scale_window clean updates since the last overflow
     # (None: 2^14 / (processes x grad_accum), fairseq's default), stop the run below fp16_min_loss_scale.
     # fp16_scale_tolerance: the share of overflows since the last rescale below which the scale is kept.
-    fp16_init_scale: float = 128.0
-    fp16_scale_window: int | None = None
-    fp16_scale_tolerance: float = 0.0
-    fp16_min_loss_scale: float = 1e-4
+    fp16_init_scale: float = _setting(128.0, "fairseq fp16: initial loss scale")
+    fp16_scale_window: int | None = _setting(
+        None, "fairseq fp16: clean updates before the scale doubles (none: 2^14 / (processes x grad_accum))")
+    fp16_scale_tolerance: float = _setting(
+        0.0, "fairseq fp16: share of overflows since the last rescale below which the scale is kept")
+    fp16_min_loss_scale: float = _setting(
+        1e-4, "fairseq fp16: the run ends (diverged) when the loss scale falls to this")
     # fairseq fp16 on fewer GPUs than MERT-330M's 64: the fp16 gradients summed over groups of this many
     # micro-batches (a GPU's update_freq: 8 for MERT-330M), each group's sum divided in fp16 by the number of
     # groups in the whole update (MERT's world size) and the groups added in fp16, as fairseq's legacy DDP does
     # (training/precision.py). None: all of this process's train.grad_accum micro-batches summed in fp16 (the
     # same on 64 GPUs; on one GPU 512 micro-batches, 64x MERT's sum). Must divide train.grad_accum.
-    fp16_accum_group: int | None = None
-    grad_accum: int = 1
+    fp16_accum_group: int | None = _setting(
+        None, "fairseq fp16: micro-batches per fp16 gradient sum, as MERT's per-GPU sums (none: all)")
+    grad_accum: int = _setting(1, "micro-batches per optimizer update")
     # Crops per optimizer update over all processes; when set, train.grad_accum is derived from it and the
     # process count (global_batch_crops / (data.batch_size x processes), which must be whole).
-    global_batch_crops: int | None = None
+    global_batch_crops: int | None = _setting(
+        None, "crops per update over all processes; sets train.grad_accum from the process count")
     # Unit of the logged losses (metrics.jsonl, TensorBoard, evaluation): `bits` divides every loss by ln 2,
     # as fairseq logs them (the study's figures); `nats` logs them as computed. The objective is the same.
-    loss_unit: str = "bits"
+    loss_unit: str = _setting("bits", "unit of the logged losses", LOSS_UNITS)
     # Speed and memory (results unchanged up to float rounding): torch.compile of the frontend and the
     # encoder, in place (state-dict names unchanged; the first step compiles, ~20 s for tiny on CPU), and
     # recomputing each encoder layer in the backward pass (less activation memory, ~1/3 more compute).
-    compile: bool = False
-    activation_checkpointing: bool = False
-    log_every: int = 1
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
-    keep_every: int = 0  # ... and every one at a multiple of this step, never pruned (0 = off)
-    # Diagnostics: per-layer max attention logit and gradient norm every N steps (0 = off).
-    diagnostics_every: int = 0
+    compile: bool = _setting(False, "torch.compile the frontend and encoder (the first step compiles)")
+    activation_checkpointing: bool = _setting(
+        False, "recompute each encoder layer in the backward pass (less memory, more compute)")
+    log_every: int = _setting(1, "steps per metrics row")
+    checkpoint_every: int = _setting(50, "steps between checkpoints")
+    keep_checkpoints: int = _setting(2, "the newest N checkpoints are kept (and those of train.keep_every)")
+    keep_every: int = _setting(0, "checkpoints at a multiple of this step are never pruned (0: off)")
+    diagnostics_every: int = _setting(
+        0, "per-layer diagnostics (attention logits, gradient norms, fp16 headroom) every N steps (0: off)")
     # Held-out evaluation every N steps and at train.max_steps (0 = off), as `musiclm-stab evaluate` does it
     # (centre crops, no mixup, fixed-seed masks, dropout off), on the first eval_batches batches of 8 crops
     # (0 = all); its eval/* metrics join that step's metrics.jsonl row and the trackers.
-    eval_every: int = 0
-    eval_batches: int = 0
+    eval_every: int = _setting(0, "held-out evaluation every N steps and at train.max_steps (0: off)")
+    eval_batches: int = _setting(0, "held-out batches of 8 crops per evaluation (0: all)")
     # accelerate trackers (log_with) that get every metrics.jsonl row: TensorBoard, or e.g. wandb, mlflow
     # when installed; "all": every installed one; []: none. metrics.jsonl is written either way.
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
-    # Loss-spike guard (off by default): roll back to the newest checkpoint and skip the offending batches.
-    spike_guard: bool = False
-    spike_window: int = 50
-    spike_warmup: int = 20
-    spike_z: float = 6.0
-    spike_min_rel: float = 0.1
-    max_rollbacks: int = 10
+    trackers: list[str] = _setting(
+        ["tensorboard"], "accelerate trackers that get every metrics row ([]: none; all: every installed one)",
+        TRACKERS)
+    spike_guard: bool = _setting(
+        False, "on a loss spike, roll back to the newest checkpoint and skip the batches since")
+    spike_window: int = _setting(50, "spike guard: losses in the running baseline")
+    spike_warmup: int = _setting(20, "spike guard: losses seen before it acts")
+    spike_z: float = _setting(
+        6.0, "spike guard: a spike exceeds the baseline's mean by this many standard deviations")
+    spike_min_rel: float = _setting(0.1, "spike guard: a spike also exceeds the baseline's mean by this share of it")
+    max_rollbacks: int = _setting(10, "spike guard: most rollbacks in a run")
 
     def validate(self) -> None:
         if self.name in ("", ".", "..") or any(c in self.name for c in "/\\\0"):
@@ -477,8 +527,8 @@ class TrainConfig:
             raise ConfigError(f"train.stop_at must be >= 1, got {self.stop_at}")
         for name in ("run", "seed", "spike_min_rel", "max_rollbacks"):
             _at_least(f"train.{name}", getattr(self, name), 0)
-        if self.seed + 1000 * self.run >= 2**32:  # the seed of the run's RNGs (numpy's must fit 32 bits)
-            raise ConfigError(f"train.seed + 1000 * train.run must be < 2**32, got {self.seed} + 1000 * {self.run}")
+        if self.seed >= 2**32:  # set_seed seeds numpy too, whose seeds are 32 bits
+            raise ConfigError(f"train.seed must be < 2**32, got {self.seed}")
         _at_least("train.spike_z", self.spike_z, 0, strict=True)
         if not 0 <= self.spike_warmup <= self.spike_window:  # more than the window holds: never a spike
             raise ConfigError(f"train.spike_warmup must be in [0, train.spike_window={self.spike_window}], "
@@ -520,6 +570,10 @@ class Config:
         """Plain dict (tuples as lists) of the resolved config, ready for YAML."""
         return _lists(dataclasses.asdict(self.resolved()))
 
+
+# A setting's name as a regular expression (``train.max_steps``): how messages and the command line are read
+# for settings, whatever the sections.
+SETTING_NAME = r"(?:" + "|".join(f.name for f in dataclasses.fields(Config)) + r")\.\w+"
 
 def _fill(section: Any, defaults: dict[str, Any]) -> Any:
     """Copy of a config section with the None fields named in ``defaults`` set to their default."""
@@ -586,6 +640,18 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} must be a string, got {_show(value)}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {annotation}")
+
+
+def setting_text(value: Any) -> str:
+    """A setting's value as the command line writes it (``--section.key=TEXT``), which ``_coerce`` reads back:
+    true/false, none, [a,b] for a list or pair, a float's repr."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(setting_text(v) for v in value) + "]"
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
@@ -702,19 +768,51 @@ def read_settings_file(path: str | Path) -> Any:
         raise ConfigError(f"{path}: its values are nested too deeply") from None
 
 
+# The recipes ship inside the package (musiclm_stab/recipes, package data), so their names work in an installed
+# wheel as in a checkout, whose recipes/ is a symlink to that folder; its accelerate/ holds accelerate's config
+# files for `musiclm-stab train --config_file`.
+PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
+ACCELERATE_CONFIGS = "accelerate"
+
+
+def recipe_names(accelerate: bool = False) -> list[str]:
+    """The names of the packaged recipes and overlays (``tiny``, ``overlays/tiny``), or with ``accelerate``
+    of the packaged accelerate config files (``accelerate/8gpu``)."""
+    names = (p.relative_to(PACKAGED_RECIPES).with_suffix("").as_posix() for p in PACKAGED_RECIPES.rglob("*.yaml"))
+    return sorted(n for n in names if n.startswith(f"{ACCELERATE_CONFIGS}/") == accelerate)
+
+
+def recipe_file(name: str | Path, accelerate: bool = False) -> Path:
+    """The YAML file a recipe names: a path to an existing file, else a packaged recipe by name, ``.yaml``
+    optional and ``recipes/`` as a checkout writes it allowed (``tiny``, ``overlays/tiny``,
+    ``recipes/tiny.yaml``); with ``accelerate``, an accelerate config file (``accelerate/8gpu``). The one
+    reading of a recipe's name: ``--config``, ``musiclm-stab train --config_file``, ``ms.recipe``. ConfigError
+    naming the packaged ones when it is neither."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    text = path.as_posix()
+    for stem in (text, text.removeprefix("recipes/")):
+        stem = stem if stem.endswith(".yaml") else f"{stem}.yaml"
+        if stem[:-5] in recipe_names(accelerate):
+            return PACKAGED_RECIPES / stem
+    what = "accelerate config file" if accelerate else "config file"
+    raise ConfigError(f"{what} {name} does not exist, and no packaged one has that name (packaged: "
+                      f"{', '.join(recipe_names(accelerate))})")
+
+
 def load_config(path: str | Path | list[str | Path] | tuple | None = None, overrides: list[str] | None = None
                 ) -> Config:
     """Read a recipe YAML, or several layered in order (a recipe, then overlays such as
     recipes/overlays/tiny.yaml: a later file sets what it names, the rest stays), apply ``section.key=value``
-    overrides, validate, and fill in the per-size values (``Config.resolved``).
+    overrides, validate, and fill in the per-size values (``Config.resolved``). A recipe is a file or the
+    name of a packaged one (``recipe_file``: ``tiny``, ``overlays/tiny``).
 
     Raises ConfigError naming the offending setting and the valid choices.
     """
     cfg = Config()
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+    for path in map(recipe_file, paths):
         raw = read_settings_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
@@ -735,10 +833,16 @@ def load_config(path: str | Path | list[str | Path] | tuple | None = None, overr
     return cfg.validate().resolved()
 
 
-def save_config(cfg: Config, path: str | Path, comment: str = "") -> None:
-    """Write the resolved config as YAML, after ``comment`` (as # lines, which loading ignores)."""
+def config_yaml(cfg: Config, comment: str = "") -> str:
+    """The resolved config as YAML, after ``comment`` (as # lines, which loading ignores): what a run's
+    config.yaml holds and what the trainer's --print-config prints."""
     header = "".join(f"# {line}\n" for line in comment.splitlines())
-    Path(path).write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return header + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path, comment: str = "") -> None:
+    """Write the resolved config as YAML (``config_yaml``)."""
+    Path(path).write_text(config_yaml(cfg, comment))
 
 
 def config_from_run(run_dir: str | Path) -> Config:

@@ -24,3 +24,13 @@ def machine() -> dict:
         cpu = platform.processor() or platform.machine() or "unknown"
     return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def default_device(device: str | None = None) -> str:
+    """``device`` when given, else CUDA when this machine has a GPU, else the CPU: the one default of every
+    command and verb that runs a trained model (evaluate, load_encoder, features)."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -77,7 +77,7 @@ def test_make_config_takes_recipe_names_paths_and_settings(tmp_path):
     own.write_text("train:\n  name: mine\n")
     assert musiclm_stab.make_config(own, ["train.max_steps=3"]).train.max_steps == 3
     assert musiclm_stab.recipe("tiny") == musiclm_stab.recipe("tiny.yaml") and "overlays/tiny" in musiclm_stab.recipes()
-    with pytest.raises(ConfigError, match="'nope'.*tiny"):
+    with pytest.raises(ConfigError, match="config file nope does not exist.*tiny"):
         musiclm_stab.make_config("nope")
     with pytest.raises(ConfigError, match="train.max_stepz"):
         musiclm_stab.make_config("tiny", {"train.max_stepz": 1})
@@ -112,3 +112,25 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+
+
+def test_train_errors_speak_python(tmp_path, tokenized_dataset):
+    """`ms.train` on a run directory that exists says what a Python caller passes (resume=True, the setting
+    "train.name" in settings), not the command line's --resume and --train.name."""
+    settings = {"train.output_dir": str(tmp_path), "train.name": "taken", "data.crop_seconds": 2.0,
+                "train.trackers": []}
+    cfg = musiclm_stab.make_config("tiny", settings, data=tokenized_dataset)
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "config.yaml").write_text((ROOT / "recipes" / "tiny.yaml").read_text())
+    with pytest.raises(ConfigError) as caught:
+        musiclm_stab.train("tiny", settings, data=tokenized_dataset)
+    message = str(caught.value)
+    assert message == (f"run directory {cfg.run_dir} already exists; pass resume=True to continue it, or choose "
+                       'another "train.name" in settings')
+
+
+def test_evaluate_defaults_to_the_device_the_other_verbs_use():
+    """ms.evaluate, ms.load_encoder and ms.features default to no device (CUDA when there is one), as the
+    evaluate command does."""
+    for verb in (musiclm_stab.evaluate, musiclm_stab.load_encoder, musiclm_stab.features):
+        assert inspect.signature(verb).parameters["device"].default is None, verb.__name__

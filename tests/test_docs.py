@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 from accelerate.commands.launch import launch_command_parser
 
-from musiclm_stab import cli
-from musiclm_stab.config import Config, load_config
+from musiclm_stab import cli, reference
+from musiclm_stab.config import Config, ConfigError, load_config, recipe_file, recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -142,35 +143,86 @@ def _check_settings(words: list[str], configs: list[str]) -> list[str]:
         elif not PLACEHOLDER.search(value):
             concrete.append(f"{section}.{key}={value}")
     try:
-        load_config([ROOT / c for c in configs], concrete)
+        load_config([_recipe(c) for c in configs], concrete)
     except Exception as e:  # ConfigError, or a recipe that does not load
         problems.append(f"{type(e).__name__}: {e}")
     return problems
 
 
+def _recipe(config: str) -> Path | str:
+    """A --config as the docs write it: a file of the checkout, else a packaged recipe's name."""
+    return ROOT / config if (ROOT / config).is_file() else config
+
+
+def _missing_recipes(configs: list[str]) -> list[str]:
+    """Recipes that do not exist, or exist only in a checkout: a shown command works installed too."""
+    problems = []
+    for c in configs:
+        if PLACEHOLDER.search(c):
+            continue
+        try:
+            recipe_file(_recipe(c))
+        except ConfigError as e:
+            problems.append(str(e))
+        if c.removeprefix("recipes/").removesuffix(".yaml") not in recipe_names():
+            problems.append(f"--config {c} is no packaged recipe: it works only in a checkout")
+    return problems
+
+
 def _check_launch(words: list[str]) -> list[str]:
-    """`accelerate launch [options] recipes/X.py args` or `torchrun [options] recipes/X.py args`."""
+    """`accelerate launch [options] -m module args` or `torchrun [options] -m module args`: the trainer's
+    module, as an installed package has it (not a checkout's script path)."""
     if words[0] == "accelerate":
         try:
             ns = launch_command_parser().parse_args(words[2:])
         except SystemExit:
             return ["accelerate launch does not accept these options"]
-        script, args = ns.training_script, ns.training_script_args
+        script, args, module = ns.training_script, ns.training_script_args, ns.module
         problems = []
-        if ns.config_file and not (ROOT / ns.config_file).is_file():
-            problems.append(f"--config_file {ns.config_file} does not exist")
+        if ns.config_file:  # accelerate reads it as a path: a checkout's file is not there when installed
+            problems.append(f"--config_file {ns.config_file}: a checkout's file; `musiclm-stab train --config_file "
+                            "NAME --` takes a packaged one")
     else:
-        i = next(i for i, w in enumerate(words) if w.endswith(".py"))
-        script, args, problems = words[i], words[i + 1:], []
-    if not (ROOT / script).is_file():
-        return problems + [f"{script} does not exist"]
+        i = next(i for i, w in enumerate(words) if w.endswith(".py") or w == "-m")
+        module = words[i] == "-m"
+        script, args, problems = words[i + module], words[i + 1 + module:], []
+    if not module:  # recipes/pretrain.py is a checkout's path; installed, the trainer is a module
+        return problems + [f"{script}: a checkout's file; launch the module (-m musiclm_stab.recipes.pretrain)"]
+    if importlib.util.find_spec(script) is None:
+        return problems + [f"no module {script}"]
+    return problems + _check_trainer_args(args)
+
+
+def _check_trainer_args(args: list[str]) -> list[str]:
+    """The trainer's arguments: --config (recipes that exist, by name or file), --resume, --print-config and
+    real settings."""
     configs = [args[i + 1] for i, w in enumerate(args) if w == "--config" and i + 1 < len(args)]
-    problems += [f"--config {c} does not exist" for c in configs if not PLACEHOLDER.search(c)
-                 and not (ROOT / c).is_file()]
-    rest = [w for i, w in enumerate(args) if w not in ("--config", "--resume")
+    problems = _missing_recipes(configs)
+    rest = [w for i, w in enumerate(args) if w not in ("--config", "--resume", "--print-config")
             and not (i > 0 and args[i - 1] == "--config")]
-    problems += [f"{w!r} is neither --config, --resume nor --section.key=value" for w in rest if not SETTING.match(w)]
+    problems += [f"{w!r} is neither --config, --resume, --print-config nor --section.key=value" for w in rest
+                 if not SETTING.match(w)]
     return problems + _check_settings(args, [c for c in configs if not PLACEHOLDER.search(c)])
+
+
+def _check_train(words: list[str]) -> list[str]:
+    """`musiclm-stab train [ACCELERATE OPTIONS --] ARGS`: accelerate's options as `accelerate launch` parses
+    them (a packaged --config_file by name), the trainer's arguments as the trainer parses them."""
+    from musiclm_stab.experiments.train import packaged_config_files, split_arguments
+    from musiclm_stab.training.arguments import ENTRY_MODULE
+
+    try:
+        options, args = split_arguments(words[2:])
+        options = packaged_config_files(options)
+    except ConfigError as e:
+        return [str(e)]
+    try:
+        launch_command_parser().parse_args([*options, "-m", ENTRY_MODULE])
+    except SystemExit:
+        return ["accelerate launch does not accept these options"]
+    if args == ["--help"]:
+        return []
+    return _check_trainer_args(args)
 
 
 def _make_targets() -> set[str]:
@@ -184,8 +236,8 @@ def test_shown_command_is_real(page, words, monkeypatch, capsys):
     if words[0] == "make":
         assert set(words[1:]) <= _make_targets(), f"{_rel(page)}: make {words[1:]}: no such target"
         return
-    if words[0] in ("accelerate", "torchrun"):
-        problems = _check_launch(words)
+    if words[0] in ("accelerate", "torchrun") or words[:2] == ["musiclm-stab", "train"]:
+        problems = _check_launch(words) if words[0] != "musiclm-stab" else _check_train(words)
         assert not problems, f"{_rel(page)}: {' '.join(words)}: " + "; ".join(problems)
         return
     if words[0] == "musiclm-stab":
@@ -210,15 +262,18 @@ def _help(entry, argv: list[str], capsys) -> str:
 
 
 def _reference(text: str) -> Path:
-    m = re.search(r"Reference: (\S+\.md)", text)
-    assert m, f"no 'Reference: <page>.md' in:\n{text}"
+    """The page a --help names (``Reference: docs/X.md``), checked to say how to read it offline: ``musiclm-stab
+    docs X`` on the same line, which prints that very page."""
+    m = re.search(r"Reference: (\S+\.md)\b[^\n]*?offline: musiclm-stab docs (\w+)\)", " ".join(text.split()))
+    assert m, f"no 'Reference: <page>.md (... offline: musiclm-stab docs PAGE)' in:\n{text}"
+    assert reference.page_text(m[2]) == (ROOT / m[1]).read_text(), f"musiclm-stab docs {m[2]} is not {m[1]}"
     return ROOT / m[1]
 
 
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_command_help_names_its_reference_page(command, capsys):
     """`musiclm-stab CMD --help` says what CMD does and names an existing page, the one `musiclm-stab --help`
-    lists for it."""
+    lists for it, with the `musiclm-stab docs` command that prints it offline."""
     _, summary, page = cli.COMMANDS[command]
     text = _help(lambda argv: cli.main([command, *argv]), ["--help"], capsys)
     description = text.split("\n\n")[1].strip()
@@ -229,11 +284,14 @@ def test_command_help_names_its_reference_page(command, capsys):
 
 @pytest.mark.parametrize("entry, argv, page", [
     ("musiclm_stab.tokenizer.cli:cli_main", ["--merge", "--help"], "docs/TOKENIZING.md"),
-    ("musiclm_stab.training.trainer:main", ["--help"], "docs/TRAINING.md"),  # recipes/pretrain.py
+    ("musiclm_stab.training.trainer:main", ["--help"], "docs/TRAINING.md"),  # -m musiclm_stab.recipes.pretrain
     ("musiclm_stab.analysis.claims:cli_main", ["--help"], "docs/STUDY.md"),
+    ("musiclm_stab.analysis.instability:cli_main", ["--help"], "docs/STUDY.md"),
+    ("musiclm_stab.analysis.power:cli_main", ["--help"], "docs/STUDY.md"),
 ])
 def test_other_entry_points_name_their_reference_page(entry, argv, page, capsys):
-    """`tokenize --merge`, `recipes/pretrain.py` and the claims module's --help name their existing page too."""
+    """`tokenize --merge`, the trainer's module and the study's analysis modules name their existing page
+    too, with the command that prints it offline."""
     module, function = entry.split(":")
     text = _help(getattr(importlib.import_module(module), function), argv, capsys)
     assert _reference(text) == ROOT / page and (ROOT / page).is_file()
@@ -247,3 +305,13 @@ def test_top_level_help_lists_every_command_with_an_existing_page(capsys):
         assert re.search(rf"^  {re.escape(command)} +{re.escape(summary)} \({re.escape(page)}\)$", out, re.M), command
         assert (ROOT / page).is_file(), page
     assert "(docs/TRAINING.md)" in out and (ROOT / "docs/TRAINING.md").is_file()
+
+
+def test_the_package_carries_the_checkouts_pages():
+    """`musiclm-stab docs` reads the checkout's own pages (musiclm_stab/docs is a link to docs/, one copy):
+    README and every docs/*.md, each under its name."""
+    assert (ROOT / "musiclm_stab" / "docs").resolve() == (ROOT / "docs").resolve()
+    assert reference.page_names() == ["README", *sorted(p.stem for p in (ROOT / "docs").glob("*.md"))]
+    for name in reference.page_names():
+        path = ROOT / "README.md" if name == "README" else ROOT / "docs" / f"{name}.md"
+        assert reference.page_text(name) == path.read_text(), name

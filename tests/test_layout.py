@@ -37,7 +37,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("export",),  # a trained encoder elsewhere: transformers export, features
     ("analysis",),  # reads run directories: figures, evaluation, claims, probes (probes take features)
     ("experiments",),  # jobs made of the parts: quickstart, the study, the sweep
-    ("api", "cli", "recipes"),  # entry points: the Python API, the command line, recipes/pretrain.py
+    ("api", "cli", "reference", "recipes"),  # entry points: the Python API, the command line (and its pages),
+    # recipes/pretrain.py
+    ("__main__",),  # python -m musiclm_stab: the command line
 )
 
 

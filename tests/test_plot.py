@@ -144,9 +144,20 @@ def test_run_label_override_modifiers_and_clip_format():
         "Post-Norm | Gradient Clip=10 | Run 4"
     )
     assert (
-        run_label(make_config(**{"model.attention": "math"}).to_dict())
+        run_label(make_config(**{"model.attention": "math", "train.run": 1}).to_dict())
         == "Pre-Norm | Gradient Clip=10 | Run 1"
     )
+
+
+def test_a_run_that_is_no_study_run_has_no_study_label():
+    """A run of the tiny recipe (train.run not set) reads as its configuration, without the study's run
+    number: not "Pre-Norm | Gradient Clip=10 | Run 1", the study run it is not."""
+    from musiclm_stab.config import load_config
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    assert run_label(load_config(recipes / "tiny.yaml").to_dict()) == "Pre-Norm | Gradient Clip=10"
+    study_run = load_config(recipes / "study_prenorm_clip10_run1.yaml")
+    assert run_label(study_run.to_dict()) == "Pre-Norm | Gradient Clip=10 | Run 1"
 
 
 # --- the figures -----------------------------------------------------------------------------------
@@ -425,8 +436,8 @@ def test_duplicate_legend_text_gets_run_name(tmp_path):
     with pytest.warns(PlotWarning, match="share the legend text"):
         ax = make_figures(runs)["loss"].axes[0]
     assert legend_texts(ax) == [
-        "Pre-Norm | Gradient Clip=10 | Run 1 (a)",
-        "Pre-Norm | Gradient Clip=10 | Run 1 (b)",
+        "Pre-Norm | Gradient Clip=10 (a)",
+        "Pre-Norm | Gradient Clip=10 (b)",
     ]
 
 

@@ -1,6 +1,8 @@
 """The built wheel is the package a researcher installs: it carries its recipes, its training entry point,
-its licence, its type marker and the version written in musiclm_stab/__init__.py, and its main job runs from
-a fresh venv outside the checkout.
+its reference pages, its licence, its type marker and the version written in musiclm_stab/__init__.py, and
+from a fresh venv outside the checkout its commands run as the README and docs/TRAINING.md print them:
+--version, --help, `train` (its settings, --print-config, a short run by recipe name), `python -m
+musiclm_stab`, `docs`, and the main job.
 
 Kept cheap: the wheel is built without isolation or dependencies, and the fresh venv reuses this venv's
 installed dependencies through a .pth line naming its site-packages (a plain path line: the editable
@@ -9,6 +11,7 @@ install's finder, itself a .pth there, is not run, so the checkout is not import
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,11 +23,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 import musiclm_stab
+from musiclm_stab.training.checkpoint import checkpoint_step, list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "musiclm_stab")
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "musiclm_stab", "docs")
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,11 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp / "src"
     src.mkdir()
     for name in WHEEL_SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        if name == "docs":  # its pages; musiclm_stab/docs is a link to it (the figures and runs are not shipped)
+            shutil.copytree(ROOT / name, src / name, ignore=lambda folder, names: [n for n in names
+                                                                                   if not n.endswith(".md")])
+        elif (ROOT / name).is_dir():  # links kept as links, as a checkout has them
+            shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-index", "--no-deps", "--no-build-isolation",
@@ -44,9 +52,10 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
-def test_wheel_carries_recipes_entry_point_licence_and_version(wheel):
-    """Every recipe YAML and recipes/pretrain.py are in the wheel (once, under musiclm_stab/recipes), with
-    py.typed and the LICENSE; its version is musiclm_stab.__version__."""
+def test_wheel_carries_recipes_entry_point_pages_licence_and_version(wheel):
+    """Every recipe YAML and recipes/pretrain.py are in the wheel (once, under musiclm_stab/recipes), every
+    docs/*.md page (under musiclm_stab/docs, nothing else of docs/), with py.typed and the LICENSE; its
+    version is musiclm_stab.__version__."""
     names = zipfile.ZipFile(wheel).namelist()
     packaged = sorted(p.relative_to(ROOT / "musiclm_stab").as_posix()
                       for p in (ROOT / "musiclm_stab" / "recipes").rglob("*") if p.suffix in (".yaml", ".py"))
@@ -56,6 +65,8 @@ def test_wheel_carries_recipes_entry_point_licence_and_version(wheel):
     assert "musiclm_stab/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not [n for n in names if n.startswith("recipes/")]  # the checkout's symlink is not a second copy
+    pages = sorted(f"musiclm_stab/docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) > 5 and sorted(n for n in names if n.startswith("musiclm_stab/docs/")) == pages
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert re.search(rf"^Version: {re.escape(musiclm_stab.__version__)}$", metadata, flags=re.M)
     assert wheel.name.startswith(f"musiclm_stab-{musiclm_stab.__version__}-")
@@ -107,3 +118,54 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(fresh_venv, toke
     assert (run_dir / "figures" / "loss.png").is_file()
     assert str(fresh_venv) in proc.stdout  # the launch line names the installed pretrain.py
     print(f"quickstart from the installed wheel: {time.perf_counter() - t0:.1f} s")
+
+
+def _run(venv: Path, argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command of the fresh venv (its bin/ named), run in ``cwd`` outside the checkout, with a Hugging Face
+    home of its own: no accelerate default config of this machine's (``accelerate config``) is read."""
+    home = cwd.parent / f"{cwd.name}-hf-home"
+    return subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**_env(), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
+                                                "HF_HOME": str(home)})
+
+
+def test_installed_commands_work_as_printed(fresh_venv, tmp_path):
+    """From the fresh venv, in a folder outside the checkout: --version, --help and `python -m musiclm_stab
+    --help` (the same text), `train --help` listing the settings, `train --mixed_precision bf16 -- --config
+    tiny --print-config` (the tiny recipe by name, resolved by the launched trainer, in the precision accelerate
+    was given), and `docs TRAINING` / `docs README` printing the pages shipped in the wheel; nothing is
+    written where they run."""
+    version = _run(fresh_venv, ["musiclm-stab", "--version"], tmp_path)
+    assert version.returncode == 0 and version.stdout == f"musiclm-stab {musiclm_stab.__version__}\n"
+    usage = _run(fresh_venv, ["musiclm-stab", "--help"], tmp_path)
+    assert usage.returncode == 0 and "\n  train " in usage.stdout and "\n  docs " in usage.stdout
+    assert _run(fresh_venv, ["python", "-m", "musiclm_stab", "--help"], tmp_path).stdout == usage.stdout
+    settings = _run(fresh_venv, ["musiclm-stab", "train", "--help"], tmp_path)
+    assert settings.returncode == 0 and "--train.max_steps INT" in settings.stdout
+    assert "--model.norm_scheme {pre,post,deepnorm,sandwich,subln}|none" in settings.stdout
+    printed = _run(fresh_venv, ["musiclm-stab", "train", "--mixed_precision", "bf16", "--", "--config", "tiny",
+                                "--print-config"], tmp_path)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    config = yaml.safe_load(printed.stdout)
+    assert (config["train"]["name"], config["model"]["size"], config["model"]["cqt_bins"]) == ("tiny", "tiny", 84)
+    assert config["train"]["mixed_precision"] == "bf16" and "ACCELERATE_MIXED_PRECISION=bf16" in printed.stdout
+    for page, source in (("TRAINING", ROOT / "docs" / "TRAINING.md"), ("README", ROOT / "README.md")):
+        shown = _run(fresh_venv, ["musiclm-stab", "docs", page], tmp_path)
+        assert shown.returncode == 0 and shown.stdout.strip() == source.read_text().strip(), page
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_installed_train_runs_a_recipe_by_name(fresh_venv, tokenized_dataset, tmp_path):
+    """From the fresh venv, outside the checkout, `musiclm-stab train --config tiny ...` as the README prints
+    it trains a few steps under accelerate launch with the installed trainer: the run directory holds the
+    tiny recipe's config, metrics of every step and a checkpoint."""
+    proc = _run(fresh_venv, ["musiclm-stab", "train", "--config", "tiny", f"--data.path={tokenized_dataset}",
+                             "--train.name=by-name", "--train.max_steps=2", "--train.checkpoint_every=2",
+                             "--data.crop_seconds=2.0", "--data.batch_size=2", "--train.trackers=[]"],
+                tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "by-name"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [checkpoint_step(c) for c in list_checkpoints(run)] == [2]
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["cqt_bins"] == 84  # the tiny recipe's

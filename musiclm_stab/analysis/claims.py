@@ -411,7 +411,8 @@ def fill_doc(doc: str | Path, table: str, begin: str = DOC_BEGIN, end: str = DOC
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.claims",
-                                description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
+                                description=__doc__.split("\n\n")[0],
+                                epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="run directories, or folders to search for them")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for claims.md and claims.json")

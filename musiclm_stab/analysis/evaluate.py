@@ -23,6 +23,7 @@ import torch
 from musiclm_stab.config import ConfigError, config_from_run
 from musiclm_stab.data import CropDataset, split_indices
 from musiclm_stab.data.loader import EVAL_BATCH_SIZE, EVAL_SEED, held_out_loader
+from musiclm_stab.host import default_device
 from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.precision import forward_context
@@ -34,8 +35,10 @@ from musiclm_stab.training.trained import load_model, resolve_checkpoint
 # run's emulated arithmetic (model/fp16_arith.py) then rounds at other points than the trainer's evaluation did
 @torch.no_grad()
 def evaluate(path: str | Path, data: str | list[str] | None = None, split: str = "eval",
-             batch_size: int = EVAL_BATCH_SIZE, seed: int = EVAL_SEED, device: str = "cpu", write: bool = True) -> dict:
-    """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys."""
+             batch_size: int = EVAL_BATCH_SIZE, seed: int = EVAL_SEED, device: str | None = None,
+             write: bool = True) -> dict:
+    """Evaluate a run or checkpoint; returns {"eval/<metric>": value, ...} plus provenance keys. ``device``:
+    CUDA when there is one, unless given (host.default_device)."""
     from musiclm_stab.data.tokenized import check_same_tokenizer, load_tokenized
 
     run_dir, ckpt = resolve_checkpoint(path)
@@ -53,6 +56,7 @@ def evaluate(path: str | Path, data: str | list[str] | None = None, split: str =
     if len(dataset) == 0:
         raise ConfigError(f"the {split!r} split of {data_path} has no segment of at least "
                           f"{cfg.data.crop_seconds} s (eval_fraction={cfg.data.eval_fraction}); try --split all")
+    device = default_device(device)
     model = load_model(ckpt, cfg, device)
     # The loop train.eval_every shares (training/held_out.py): losses averaged over masked frames.
     # in the run's precision (fp16 runs: the fp16 arithmetic, emulated on CPU), as train.eval_every computes it
@@ -105,14 +109,14 @@ def format_table(result: dict) -> str:
 
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab evaluate", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/TRAINING.md")
+                                epilog="Reference: docs/TRAINING.md (offline: musiclm-stab docs TRAINING)")
     p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
     p.add_argument("--data", nargs="+", help="tokenized dataset, or several folders (e.g. shards), after "
                    "PATH (default: the run's data.path)")
     p.add_argument("--split", default="eval", choices=["eval", "train", "all"])
     p.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE)
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the evaluation masks")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="where to run the model (default: cuda when there is a GPU, else cpu)")
     args = p.parse_args(argv)
     try:
         data = args.data[0] if args.data and len(args.data) == 1 else args.data

@@ -517,7 +517,8 @@ def write_failures(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | P
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.instability",
-                                description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
+                                description=__doc__.split("\n\n")[0],
+                                epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or folders to search for them")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for claims.md and claims.json")
     p.add_argument("--unigram", type=float, metavar="BITS",

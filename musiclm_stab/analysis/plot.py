@@ -521,7 +521,7 @@ def plot_runs(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="musiclm-stab plot", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/TRAINING.md")
+                                epilog="Reference: docs/TRAINING.md (offline: musiclm-stab docs TRAINING)")
     p.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (config.yaml + metrics.jsonl)"
     )

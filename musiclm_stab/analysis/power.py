@@ -168,7 +168,7 @@ def markdown(rows: list[dict]) -> str:
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.power", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/STUDY.md")
+                                epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for power.md and power.json")
     p.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5, 6, 8], help="seeds per configuration and lr")
     p.add_argument("--lrs", type=int, default=5, help="learning rates in the grid (half-decade steps)")

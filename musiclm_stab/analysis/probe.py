@@ -305,7 +305,7 @@ def format_table(result: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="musiclm-stab probe", description=__doc__.split("\n")[0],
-                                epilog="Reference: docs/PROBES.md")
+                                epilog="Reference: docs/PROBES.md (offline: musiclm-stab docs PROBES)")
     p.add_argument("runs", nargs="+", help="run directories (their newest complete checkpoint is probed)")
     p.add_argument("--layers", type=int, nargs="+", help="hidden states 0..N to probe (default: all)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)

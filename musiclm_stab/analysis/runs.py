@@ -51,8 +51,9 @@ def run_label(cfg: dict) -> str:
     """Legend text in the study's form, e.g. ``Post-Norm | DeepNorm | Gradient Clip=1``.
 
     ``train.label`` wins when set. Otherwise: base norm, then modifiers (DeepNorm, Attn. Relax,
-    QK-Norm, RMSNorm, ZClip/AutoClip, in that order), then the clip value, then ``Run N`` only when
-    there are no modifiers (the study tells its two plain Pre-Norm runs apart by number).
+    QK-Norm, RMSNorm, ZClip/AutoClip, in that order), then the clip value, then ``Run N`` only for a
+    numbered run (``train.run``, which the study's recipes set) without modifiers: the study tells its two
+    plain Pre-Norm runs apart by number, and a run of the tiny recipe is no study run.
     """
     model, optim, train = (cfg.get(k) or {} for k in ("model", "optim", "train"))
     label = train.get("label")
@@ -72,8 +73,8 @@ def run_label(cfg: dict) -> str:
         modifiers.append(ADAPTIVE_CLIP[optim["clip_mode"]])
     parts += modifiers
     parts.append(f"Gradient Clip={_format_clip(optim.get('clip_grad', 10.0))}")
-    if not modifiers:
-        parts.append(f"Run {train.get('run', 1)}")
+    if not modifiers and train.get("run") is not None:
+        parts.append(f"Run {train['run']}")
     return " | ".join(parts)
 
 

@@ -326,7 +326,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="musiclm-stab build-corpus",
         description="Render music from music21's corpus with a General MIDI soundfont (offline).",
-        epilog="Reference: docs/TOKENIZING.md",
+        epilog="Reference: docs/TOKENIZING.md (offline: musiclm-stab docs TOKENIZING)",
     )
     parser.add_argument("out_dir", help="directory for the audio files, manifest.jsonl and corpus.json")
     parser.add_argument("--preset", choices=["default", "hours"], default="default",

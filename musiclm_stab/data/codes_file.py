@@ -280,7 +280,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         description="Save a tokenized dataset's codes to one file, or restore them into another tokenization of "
                     "the same corpus with the same weights (made on another CPU, whose float32 tokenizing can "
                     "give a few other codes)",
-        epilog="Reference: docs/TOKENIZING.md")
+        epilog="Reference: docs/TOKENIZING.md (offline: musiclm-stab docs TOKENIZING)")
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("save", help="write DATASET's codes to FILE (.npz.xz)")
     s.add_argument("dataset")

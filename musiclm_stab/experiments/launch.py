@@ -16,12 +16,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from musiclm_stab.config import Config, ConfigError, config_from_run
+from musiclm_stab.config import PACKAGED_RECIPES, Config, ConfigError, config_from_run
 
-# The recipes and the training entry point ship inside the package (musiclm_stab/recipes: package data), so
+# The recipes and the training entry point ship inside the package (config.PACKAGED_RECIPES: package data), so
 # the jobs find them in an installed wheel too. A checkout has one more name for that folder, the symlink
 # recipes -> musiclm_stab/recipes at its root; commands are shown with it there, as the docs write them.
-PACKAGED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 _CHECKOUT_LINK = PACKAGED_RECIPES.parent.parent / "recipes"
 RECIPES = _CHECKOUT_LINK if _CHECKOUT_LINK.resolve() == PACKAGED_RECIPES else PACKAGED_RECIPES
 PRETRAIN = RECIPES / "pretrain.py"

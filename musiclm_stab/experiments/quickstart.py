@@ -4,8 +4,10 @@
 
 Each stage is reused when its output already exists (same settings), so a rerun only trains a new run.
 ``--data`` trains on tokenized data of your own instead (no corpus, weights or tokenizing). Training runs
-through the real ``accelerate launch recipes/pretrain.py`` (the recipes ship inside the package, so an
-installed wheel runs it outside a checkout too).
+through the real ``accelerate launch`` of the trainer (the recipes ship inside the package, so an installed
+wheel runs it outside a checkout too), as one process in the recipe's precision: the launch passes
+``--num_processes 1 --mixed_precision no``, so accelerate's default config (``accelerate config``) is not
+read and the main job gives the same result on every machine (PRECISION_NOTE).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from pathlib import Path
 
 from musiclm_stab.experiments.launch import (
     DEFAULT_NUM_TRACKS,
-    RECIPES,
     accelerate_executable,
     as_overrides,
     banner,
@@ -27,17 +28,24 @@ from musiclm_stab.experiments.launch import (
     launch_command,
 )
 
+# What --help says of precision, which the launch fixes (launch_command's single process).
+PRECISION_NOTE = ("It trains one process in the recipe's precision (fp32 for tiny), whatever accelerate's default "
+                  "config (`accelerate config`) says: --set train.mixed_precision=bf16 trains in bf16; "
+                  "`musiclm-stab train` obeys accelerate's config.")
+
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="musiclm-stab quickstart", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: README.md (Set up: two commands)")
+    p = argparse.ArgumentParser(prog="musiclm-stab quickstart",
+                                description=f"{__doc__.split(chr(10) * 2)[0]} {PRECISION_NOTE}",
+                                epilog="Reference: README.md (Set up: two commands; offline: musiclm-stab docs "
+                                "README)")
     p.add_argument("--work", default="work", help="folder for the corpus, weights and tokenized data")
     p.add_argument("--data", help="tokenized dataset to train on (default: the default corpus under --work, "
                    "made if missing)")
     p.add_argument("--runs", default="runs", help="folder for run directories")
     p.add_argument("--num-tracks", type=int, default=DEFAULT_NUM_TRACKS)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--recipe", default=str(RECIPES / "tiny.yaml"), help="recipe (default: recipes/tiny.yaml)")
+    p.add_argument("--recipe", default="tiny", help="recipe: a packaged one by name or a YAML file (default: tiny)")
     p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", dest="extra",
                    help="further settings of the run (e.g. data.batch_size=2 train.mixed_precision=bf16)")
     p.add_argument("--data-only", action="store_true",
@@ -51,7 +59,7 @@ def cli_main(argv: list[str]) -> int:
         print(f"\ndata ready in {time.time() - t0:.0f} s: {tokens}")
         return 0
 
-    banner("pretrain (accelerate launch recipes/pretrain.py)")
+    banner("pretrain (accelerate launch, one process, the recipe's precision)")
     name = time.strftime("tiny-%Y%m%d-%H%M%S")
     cmd = launch_command([args.recipe], [f"--data.path={tokens}", f"--train.name={name}",
                                          f"--train.output_dir={args.runs}", f"--train.max_steps={args.steps}",

@@ -10,7 +10,7 @@
 overlays layered on top (SCALE_OVERLAYS: cpu = recipes/overlays/tiny.yaml, the *tiny twin*, then
 recipes/overlays/study_cpu.yaml; gpu = recipes/overlays/study_gpu.yaml), on the default corpus (made when
 missing), into ``<runs>/<name>/<recipe>_<scale>_s<seed>`` with figures, ``claims.md`` and ``summary.json``
-in ``<runs>/<name>/figures``. Every run goes through the real ``accelerate launch recipes/pretrain.py``.
+in ``<runs>/<name>/figures``. Every run goes through the real ``accelerate launch`` of the trainer.
 
 Seeds and data order (``--seeds N`` runs seeds 0..N-1 as ``train.seed``; ``--order``):
   paired       (default) the runs of one seed share a data order (``data.order_seed`` unset = train.seed)
@@ -461,7 +461,7 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab study", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/STUDY.md")
+                                epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
     p.add_argument(
         "--scale",
         choices=SCALES,

@@ -2,7 +2,7 @@
 
     musiclm-stab sweep --schemes pre post deepnorm relax --lrs 1e-3 1e-2 1e-1 1 --steps 120
 
-For each scheme and learning rate the tiny model (recipes/tiny.yaml unless --recipe) trains for
+For each scheme and learning rate the tiny model (the tiny recipe unless --recipe) trains for
 ``--steps`` updates, *in this process* through ``train.Trainer`` (one accelerate state per run, reset
 between runs: no launcher start-up per run). Its final loss is the mean training loss of the last
 ``--last`` logged steps. The LR sensitivity of a scheme (Wortsman et al. 2023, "Small-scale proxies for
@@ -38,9 +38,9 @@ from musiclm_stab.analysis.sweep_report import (
     write_outputs,
 )
 from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
-from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
+from musiclm_stab.experiments.launch import add_job_options, as_overrides, default_data, run_state
 
-DEFAULT_RECIPE = RECIPES / "tiny.yaml"
+DEFAULT_RECIPE = "tiny"  # a packaged recipe, by name (config.recipe_file)
 # Defaults: the sweep of docs/STUDY.md (~18 min of training on 2 shared cores, bf16 given by --set there).
 DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0)
 DEFAULT_SCHEMES = ("pre", "post", "deepnorm", "relax")
@@ -218,7 +218,7 @@ def run_sweep(
 
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab sweep", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/STUDY.md")
+                                epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
     p.add_argument(
         "--schemes",
         nargs="+",
@@ -229,7 +229,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="updates per run (warmup: a tenth)")
     p.add_argument("--last", type=int, default=DEFAULT_LAST, help="final loss = mean of this many last steps")
     p.add_argument("--out", default="runs/lr_sweep", help="folder for the figure, tables and run directories")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="base recipe (default: recipes/tiny.yaml)")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="base recipe: a packaged one by name or a YAML file "
+                   "(default: tiny)")
     add_job_options(p)
     args = p.parse_args(argv)
     if args.steps < 1:

@@ -242,7 +242,7 @@ def _parse_layers(values: list[str] | None) -> list[int] | None:
 
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab features", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/EXPORT.md")
+                                epilog="Reference: docs/EXPORT.md (offline: musiclm-stab docs EXPORT)")
     p.add_argument("model", help="run directory, checkpoint directory, or export directory")
     p.add_argument("src", help="audio file, or folder searched recursively")
     p.add_argument("out", help="output folder: <file>/layer_XX.npy ([T, D]) and features.json")

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.export.exported import PAD_SAMPLES, SIDECAR
+from musiclm_stab.host import default_device
 from musiclm_stab.training.trained import load_checkpoint
 
 DEFAULT_CHUNK_SECONDS = 30.0
@@ -166,7 +167,7 @@ def load_feature_model(path: str | Path, device: str | None = None) -> FeatureMo
     """A run directory, checkpoint directory or export directory as a FeatureModel on ``device``."""
 
     path = Path(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     if (path / "config.json").is_file():  # a transformers checkpoint
         if not (path / SIDECAR).is_file():
             raise ValueError(

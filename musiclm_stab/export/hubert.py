@@ -461,7 +461,7 @@ def _plain(cfg: ModelConfig) -> dict:
 
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab export", description=__doc__.split("\n\n")[0],
-                                epilog="Reference: docs/EXPORT.md")
+                                epilog="Reference: docs/EXPORT.md (offline: musiclm-stab docs EXPORT)")
     p.add_argument("path", help="run directory (newest checkpoint) or a checkpoint directory")
     p.add_argument("out_dir", help="directory for the transformers checkpoint")
     p.add_argument("--audio", help="audio file to verify on (default: a Bach chorale rendered offline)")

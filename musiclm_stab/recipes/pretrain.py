@@ -1,11 +1,11 @@
-"""Pretraining entry point.
+"""Pretraining entry point: the trainer that ``musiclm-stab train`` launches.
 
-    accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--config OVERLAY.yaml] [--section.key=value ...] [--resume]
-    accelerate launch -m musiclm_stab.recipes.pretrain --config ...    # the same, from an installed package
+    musiclm-stab train [ACCELERATE OPTIONS --] --config tiny [--config overlays/tiny] [--section.key=value ...]
+    accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain --config tiny ...   # the same
 
-The loop lives in musiclm_stab/training/trainer.py; this file only makes it launchable by path. It lives in the
-package with the recipes (musiclm_stab/recipes/, package data), so an installed wheel has it; a checkout's
-recipes/ is a symlink to this folder.
+The loop lives in musiclm_stab/training/trainer.py, its arguments in training/arguments.py; this file only
+makes it launchable, as a module or by path. It lives in the package with the recipes (musiclm_stab/recipes/,
+package data), so an installed wheel has it; a checkout's recipes/ is a symlink to this folder.
 """
 
 import sys

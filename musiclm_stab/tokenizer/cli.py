@@ -31,7 +31,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                                 description="Tokenize audio into EnCodec codes, saved as an HF dataset. "
                                 "Rerun the same command to resume an interrupted run. "
                                 "Merge shard outputs with: musiclm-stab tokenize --merge OUT SHARD_DIR...",
-                                epilog="Reference: docs/TOKENIZING.md")
+                                epilog="Reference: docs/TOKENIZING.md (offline: musiclm-stab docs TOKENIZING)")
     p.add_argument("src", help="folder of audio files (recursive), a manifest (.csv/.jsonl with a 'path' column "
                    "and optional 'id'), an HF dataset saved with save_to_disk, or with --streaming anything "
                    "datasets.load_dataset streams (e.g. a folder of parquet files)")
@@ -93,7 +93,7 @@ def cli_main(argv: list[str] | None = None) -> int:
 def _merge_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab tokenize --merge",
                                 description="Merge the outputs of --shard 0/n .. n-1/n into one tokenized dataset.",
-                                epilog="Reference: docs/TOKENIZING.md")
+                                epilog="Reference: docs/TOKENIZING.md (offline: musiclm-stab docs TOKENIZING)")
     p.add_argument("out", help="new output folder")
     p.add_argument("shards", nargs="+", help="the shard output folders")
     args = p.parse_args(argv)

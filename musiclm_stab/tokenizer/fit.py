@@ -250,7 +250,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         description="Make local EnCodec 24 kHz weights for offline use: a seeded random encoder whose 8 "
         "codebooks are fitted by k-means to your audio. Not the pretrained model; tokenized data records "
         "the weights' sha256.",
-        epilog="Reference: docs/TOKENIZING.md",
+        epilog="Reference: docs/TOKENIZING.md (offline: musiclm-stab docs TOKENIZING)",
     )
     p.add_argument("src", help="folder of audio files (searched recursively)")
     p.add_argument("out_file", help="where to write the weights (a torch state dict)")

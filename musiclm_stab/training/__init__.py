@@ -1,6 +1,6 @@
 """Pretraining under accelerate.
 
-    trainer.py     the loop: Trainer.train_step (micro-batches) and Trainer.update; main() for recipes/pretrain.py
+    trainer.py     the loop: Trainer.train_step (micro-batches) and Trainer.update; main() for musiclm-stab train
     optim.py       AdamW and the warmup / linear-decay schedule
     stability.py   gradient clipping rules, the spike guard, per-layer diagnostics
     checkpoint.py  checkpoints that are complete or absent, coordinated across processes

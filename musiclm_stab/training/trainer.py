@@ -8,17 +8,18 @@ in DESIGN.md) go to ``metrics.jsonl`` and the ``train.trackers`` (TensorBoard by
 ``eval/*`` metrics every ``train.eval_every`` steps; checkpoints are accelerate states, written aside and
 moved into place so a checkpoint directory is either complete or absent.
 
-Launch: ``accelerate launch recipes/pretrain.py --config recipes/tiny.yaml [--section.key=value ...]``
+Launch: ``musiclm-stab train [ACCELERATE OPTIONS --] --config tiny [--section.key=value ...]``, which is
+``accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain --config tiny ...`` (training/arguments.py)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,10 +27,11 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from musiclm_stab.config import Config, ConfigError, load_config
+from musiclm_stab.config import Config, ConfigError, config_yaml, load_config
 from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint, checkpoint_load
+from musiclm_stab.training.arguments import parse_trainer_args
 from musiclm_stab.training.checkpoint_writer import CheckpointWriter
 from musiclm_stab.training.fits import check_data_fits, check_memory_fits, local_process_count
 from musiclm_stab.training.held_out import held_out_metrics
@@ -475,18 +477,30 @@ def leave_process_group() -> None:
     gc.collect()
 
 
+def print_config(configs: list[str], overrides: list[str], environ: Mapping[str, str] = os.environ) -> None:
+    """Print the config this launch would train with as YAML, as the run's config.yaml would hold it: the
+    recipes, overlays and settings resolved, then what the launch decides (accelerate's precision,
+    train.grad_accum from train.global_batch_crops at its process count), each change said in a comment.
+    Only the main process prints (a launch of several processes runs this in each); nothing is written."""
+    cfg, note = launched_precision(load_config(configs, overrides), environ)
+    processes = int(environ.get("WORLD_SIZE", "1"))
+    cfg = resolve_grad_accum(cfg, processes)
+    if int(environ.get("RANK", "0")) == 0:
+        comment = "\n".join([f"launched with {global_batch(cfg, processes)}", *([note] if note else [])])
+        print(config_yaml(cfg, comment), end="", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="recipes/pretrain.py",
-        description="Pretrain a music masked-LM. Overrides: --section.key=value (e.g. --model.norm_scheme=post).",
-        epilog="Reference: docs/TRAINING.md")
-    parser.add_argument("--config", action="append", help="recipe YAML (recipes/*.yaml); again for an overlay "
-                        "layered on top (recipes/overlays/*.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    args, rest = parser.parse_known_args(argv)
-    bad = [r for r in rest if not (r.startswith("--") and "=" in r)]
-    if bad:
-        parser.error(f"unrecognized arguments {bad}; overrides look like --section.key=value")
+    """``musiclm-stab train`` / ``-m musiclm_stab.recipes.pretrain`` under accelerate launch: train, or with
+    --print-config print what would train."""
+    args = parse_trainer_args(argv)
+    if args.print_config:
+        try:
+            print_config(args.configs, args.overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     # Before any process group exists: torch.distributed.nn.functional's collectives take
     # group=group.WORLD as a default argument, evaluated when the module is imported. DDP imports it (via
     # torch._dynamo) after accelerate has made the group, and those defaults then held the group, and its
@@ -496,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     from musiclm_stab.data.tokenized import TokenizerMismatch
 
     try:
-        cfg = load_config(args.config, rest)
+        cfg = load_config(args.configs, args.overrides)
         train(cfg, resume=args.resume)
     except (ConfigError, TokenizerMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
