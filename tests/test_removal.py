@@ -1,17 +1,19 @@
-"""The one guarded way to remove (musiclm_stab/removal.py): what it refuses (a run, a source, a folder holding
-one, an unmarked folder, a link, anything outside the named folder) is left whole."""
+"""The one guarded way to remove (musiclm_stab/removal.py): what it refuses (a run, a
+source, a folder holding one, an unmarked folder, a link, anything outside the named folder) is left whole;
+features' output names derived from any input names stay inside OUT, distinct (property tests)."""
 
 from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from musiclm_stab import removal
+from musiclm_stab.export.feature_files import MANIFEST, MANIFEST_TMP, _output_names, _partial
 from musiclm_stab.removal import (
     MARKER,
     Refused,
@@ -22,6 +24,7 @@ from musiclm_stab.removal import (
     move_aside,
     move_tail_aside,
     replace_output,
+    same_name,
 )
 from musiclm_stab.training.run_dir import LOCK_FILE as RUN_LOCK
 
@@ -162,6 +165,46 @@ def test_move_tail_aside(tmp_path):
     assert path.read_text() == "row 1\n" and aside.read_text() == "row 2\nrow 3\n"
     assert aside.name.startswith("metrics.jsonl.aside-")
     assert move_tail_aside(path, 6) is None and path.read_text() == "row 1\n"
+
+
+PARTS = st.text(alphabet=". é-_ab/\\Ü\u0301", min_size=1, max_size=6)  # dots, spaces, unicode, separators
+NAMES = st.lists(st.lists(PARTS, min_size=1, max_size=3), min_size=1, max_size=8)
+
+
+def _files(raw: list[list[str]], src: Path) -> list[Path]:
+    """Paths of audio files under ``src`` from the generated parts: separators make subfolders (a folder's
+    name is never empty, ``.`` or ``..``), the last part plus ``.wav`` the file's name (``..`` gives
+    ``...wav``, ``.`` ``..wav``, nothing ``.wav``); no file also a folder of another."""
+    files, folders = [], set()
+    for parts in raw:
+        pieces = "/".join(parts).split("/")
+        rel = PurePosixPath(*[p for p in pieces[:-1] if p not in ("", ".", "..")], pieces[-1] + ".wav")
+        if rel in files or rel in folders or any(f in rel.parents for f in files):
+            continue
+        files.append(rel)
+        folders |= set(rel.parents)
+    return [src / f for f in files]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(NAMES)
+def test_output_names_stay_inside_out_and_never_meet(raw):
+    """For input names of dots, spaces, unicode and separators: every output folder lies strictly inside
+    OUT, has no empty, `.` or `..` part, is no reserved name (manifest, marker, a temporary folder), and no
+    two inputs share an output (as a case-insensitive file system compares names) or nest in one another."""
+    src, out = Path("/data/music"), Path("/data/out")
+    files = _files(raw, src)
+    names = _output_names(files, src)
+    assert len(names) == len(files)
+    keys = [same_name(n.as_posix()) for n in names]
+    assert len(set(keys)) == len(keys)
+    reserved = {same_name(r) for r in (MANIFEST, MANIFEST_TMP, MARKER)} | {same_name(_partial(n).as_posix())
+                                                                         for n in names}
+    for name in names:
+        assert all(part not in ("", ".", "..") for part in name.as_posix().split("/"))
+        assert is_inside(out / name, out) and os.path.normpath(out / name).startswith(f"{out}/")
+        assert same_name(name.as_posix()) not in reserved
+        assert not any(same_name(p.as_posix()) in keys for p in name.parents if p != Path("."))
 
 
 @settings(max_examples=200, deadline=None)
