@@ -1,5 +1,5 @@
 """No command destroys a training run (issue 53), on a real run of the tiny recipe: `tokenize --overwrite`
-into it is refused by name."""
+into it and `export` onto it are refused by name."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from musiclm_stab.cli import main as cli
 from musiclm_stab.training import trainer as train
 
 REPO = Path(__file__).resolve().parent.parent
+STEP_4 = "step_00000004"
 
 
 def train_main(data: Path, run_dir: Path, *extra: str) -> int:
@@ -70,3 +71,19 @@ def test_tokenize_overwrite_into_a_run_is_refused_by_name(run, tmp_path, local_w
         assert err == (f"musiclm-stab tokenize: refusing to use {run}: it holds a training run (config.yaml, "
                        "checkpoints, metrics.jsonl, .train.lock); tokenize into another folder\n")
         assert tree(run) == before
+
+
+def test_export_onto_its_own_run_or_a_folder_holding_it_is_refused(run, capsys):
+    """`export RUN RUN --overwrite` and `export RUN/checkpoints/step_4 RUNS --overwrite`: exit 2, one line
+    saying why, the run untouched (before: rc 0 and only the export left)."""
+    before = tree(run.parent)
+    ckpt = run / "checkpoints" / STEP_4
+    cases = {(str(run), str(run)): f"refusing to replace {run}: it is the source {run}",
+             (str(ckpt), str(run.parent)): f"refusing to replace {run.parent}: it holds the source {ckpt}",
+             (str(run), str(ckpt / "hf")): f"refusing to write the export to {ckpt / 'hf'}: it is inside "
+                                           f"{run / 'checkpoints'}"}
+    for (source, target), why in cases.items():
+        assert cli(["export", source, target, "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {why}") and err.count("\n") == 1, err
+    assert tree(run.parent) == before
