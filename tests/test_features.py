@@ -26,6 +26,7 @@ from musiclm_stab.export.features import (
 )
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.removal import MARKER
+from musiclm_stab.training.checkpoint import write_manifest
 
 TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32)
 SR = 24_000
@@ -60,7 +61,7 @@ def make_run(root: Path, seed: int = 0, **model) -> Path:
     ckpt.mkdir(parents=True)
     save_config(cfg, root / "config.yaml")
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "consumed_micro_batches": 1}))
+    write_manifest(ckpt, 1, {"consumed_micro_batches": 1})  # lists and hashes its files, as the trainer's
     return root
 
 
