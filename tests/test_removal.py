@@ -1,9 +1,10 @@
-"""The one guarded way to remove (musiclm_stab/removal.py): what it refuses (a run, a
+"""The one guarded way to remove (musiclm_stab/removal.py): no other module deletes; what it refuses (a run, a
 source, a folder holding one, an unmarked folder, a link, anything outside the named folder) is left whole;
 features' output names derived from any input names stay inside OUT, distinct (property tests)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -27,6 +28,31 @@ from musiclm_stab.removal import (
     same_name,
 )
 from musiclm_stab.training.run_dir import LOCK_FILE as RUN_LOCK
+
+PACKAGE = Path(removal.__file__).parent
+# Calls that delete: only removal.py makes them.
+DELETING = {("shutil", "rmtree"), ("os", "remove"), ("os", "unlink"), ("os", "rmdir"), ("shutil", "move"),
+            ("os", "removedirs")}
+
+
+def _deleting_calls(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        if node.func.attr in ("unlink", "rmdir", "rmtree") or (owner, node.func.attr) in DELETING:
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_no_module_but_removal_deletes_anything():
+    """No module of the package but removal.py calls rmtree, unlink, rmdir, os.remove or shutil.move: a
+    reader sees in one place what the tool may delete."""
+    found = [call for path in sorted(PACKAGE.rglob("*.py")) if path.name != "removal.py"
+             for call in _deleting_calls(path)]
+    assert found == []
+    assert _deleting_calls(PACKAGE / "removal.py")  # the check itself sees calls where there are some
 
 
 def test_the_run_signs_name_the_trainers_lock():
