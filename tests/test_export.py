@@ -15,6 +15,7 @@ from musiclm_stab.export.exported import load_heads, mlm_losses, pad_for_export
 from musiclm_stab.export.hubert import ATOL, RTOL, ExportError, cli_main, export
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.norm_schemes import deepnorm_alpha
+from musiclm_stab.training.checkpoint import write_manifest
 from musiclm_stab.training.trained import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +39,7 @@ def make_run(root: Path, seed: int = 0, **model) -> Path:
     ckpt.mkdir(parents=True)
     save_config(cfg, root / "config.yaml")
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "consumed_micro_batches": 1}))
+    write_manifest(ckpt, 1, {"consumed_micro_batches": 1})  # lists and hashes its files, as the trainer's
     return root
 
 

@@ -25,6 +25,8 @@ from musiclm_stab.export.features import (
     resolve_layers,
 )
 from musiclm_stab.model import MusicMLM
+from musiclm_stab.removal import MARKER
+from musiclm_stab.training.checkpoint import write_manifest
 
 TINY = dict(size="tiny", cqt_bins=84, cqt_bins_per_octave=12, final_dim=32)
 SR = 24_000
@@ -59,7 +61,7 @@ def make_run(root: Path, seed: int = 0, **model) -> Path:
     ckpt.mkdir(parents=True)
     save_config(cfg, root / "config.yaml")
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "consumed_micro_batches": 1}))
+    write_manifest(ckpt, 1, {"consumed_micro_batches": 1})  # lists and hashes its files, as the trainer's
     return root
 
 
@@ -262,7 +264,7 @@ def test_a_full_disk_stops_features_with_one_line(tmp_path, run_dir, make_music,
     assert err.startswith(f"error: cannot write {out / '.b.partial'}: No space left on device")
     assert err.endswith("Stopped; the 1 files whose features are written are kept: free some space, then rerun the "
                         "same command to go on with the rest (it skips them)")
-    assert sorted(p.name for p in out.iterdir()) == ["a"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "a"]  # the marker, written first
     monkeypatch.undo()
     assert cli_main(args) == 0 and "2 written, 1 skipped (existing), 0 failed" in capsys.readouterr().out
 
@@ -275,3 +277,61 @@ def test_an_output_under_a_file_is_one_line(tmp_path, run_dir, make_music, capsy
     assert cli_main([str(run_dir), str(tmp_path / "a.wav"), str(out), "--device", "cpu"]) == 1
     assert capsys.readouterr().err == f"error: cannot create the output folder {out}: {tmp_path / 'afile'} is a " \
         "file, not a folder\n"
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_dot_names_get_folders_of_their_own_and_nothing_outside_out_is_touched(tmp_path, model, make_music):
+    """Inputs named `...wav`, `..wav`, `sub/...wav`, `sub/..wav`, with spaces and unicode: each gets its own
+    folder inside OUT, a plain run extracts every one (before: `...wav` mapped to `OUT/..` and was "skipped
+    (existing)", `..wav` to OUT itself), and --overwrite removes nothing outside OUT (before: it emptied the
+    folder above OUT, the source audio with it)."""
+    work = tmp_path / "work"
+    src, out = work / "music", work / "feats"
+    (src / "sub").mkdir(parents=True)
+    names = ["...wav", "..wav", "a b.wav", "é ü.wav", "sub/...wav", "sub/..wav", "sub/b.wav"]
+    for i, name in enumerate(names):
+        sf.write(src / name, make_music(0.5, seed=40 + i), SR, format="WAV")
+    (work / "notes.txt").write_text("the user's")
+    audio = _tree(src)
+    summary = extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    assert len(summary.written) == len(names) and not summary.skipped and not summary.failed
+    outputs = {w["source"]: w["output"] for w in summary.written}
+    assert len(set(outputs.values())) == len(names)
+    for source, name in outputs.items():
+        folder = out / name
+        assert out.resolve() in folder.resolve().parents and sorted(p.name for p in folder.iterdir()) == ["layer_00.npy"]
+        ref = extract_features(source, model, layers=[0], chunk_seconds=2.0)
+        assert np.array_equal(np.load(folder / "layer_00.npy"), ref.layers[0].numpy())
+    again = extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, overwrite=True, progress=False)
+    assert sorted(w["output"] for w in again.written) == sorted(outputs.values())
+    assert _tree(src) == audio and (work / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in work.iterdir()) == ["feats", "music", "notes.txt"]
+
+
+def test_features_never_writes_over_or_skips_what_it_did_not_make(tmp_path, model, make_music):
+    """An output folder that holds other things is refused before any work; a file's folder inside OUT that
+    is not its features (a folder of the user's) is refused by name, neither skipped as "existing" nor, with
+    --overwrite, removed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(0.5, seed=50), SR)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("...")
+    with pytest.raises(ValueError, match=f"^refusing to write features into {mine}: it is not empty and is not a "
+                       "features output"):
+        extract_folder(model, src, mine, layers=[0], chunk_seconds=2.0, progress=False)
+    out = tmp_path / "out"
+    extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    for p in (out / "a").iterdir():
+        p.unlink()
+    (out / "a" / "notes.txt").write_text("the user's")  # the user's folder where a's features would go
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=f"^{out / 'a'}, the output folder of {src / 'a.wav'}, is in the way: "
+                           "it is not something this command made"):
+            extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, overwrite=overwrite, progress=False)
+    assert sorted(p.name for p in (out / "a").iterdir()) == ["notes.txt"]

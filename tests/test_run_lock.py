@@ -43,8 +43,8 @@ def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kil
     requeued `--resume` of the same run and a fresh launch of it are each refused with exit 2 and one
     line naming A's pid, and touch nothing: A's partial write is not removed as a crash's, no metrics row
     is added (before: both trained, 43 rows for 30 steps). Right after kill -9 of A (its workers may still
-    be exiting: a record lock is not theirs), `--resume` is accepted and finishes: every step from A's
-    checkpoint 2 on, logged once more, in order."""
+    be exiting: a record lock is not theirs), `--resume` is accepted and finishes: A's rows after its
+    checkpoint 2 moved aside, every step logged once, in order."""
     run_dir, marker = tmp_path / "r", tmp_path / "paused"
     a = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--data.num_workers=2",
               env=pause_at(4, "files", marker))
@@ -67,7 +67,7 @@ def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kil
     out = finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
     assert f"removed {partial}" in out and "step_00000002 at step 2" in out, out[-3000:]
     steps = [r["step"] for r in rows(run_dir)]
-    assert steps == list(range(1, len(logged) + 1)) + [3, 4, 5, 6], steps
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # A's rows after its checkpoint 2: moved aside
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)][-1] == "step_00000006"
 
 

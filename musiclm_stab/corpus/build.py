@@ -42,6 +42,7 @@ from musiclm_stab.corpus.render import (
     soundfont_path,
     write_audio,
 )
+from musiclm_stab.removal import remove_own
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +171,12 @@ def _check_out_dir(out_dir: Path, config: CorpusConfig, overwrite: bool) -> list
             f"{out_dir} is not empty: it holds {found}, and this build's config is {config.as_dict()}. "
             "Choose another directory, or pass overwrite=True (--overwrite) to replace that corpus."
         )
-    for f in _corpus_files(out_dir):
-        f.unlink()
-    if (out_dir / LABELS_DIR).is_dir() and not any((out_dir / LABELS_DIR).iterdir()):
-        (out_dir / LABELS_DIR).rmdir()
+    own = set(_corpus_files(out_dir))  # by name, precisely: other files in the folder are left alone
+    for f in own:
+        remove_own(f, out_dir, recognised=own.__contains__)
+    labels = out_dir / LABELS_DIR
+    if labels.is_dir() and not labels.is_symlink() and not any(labels.iterdir()):
+        remove_own(labels, out_dir, recognised=lambda p: p == labels)
     return None
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,7 +71,8 @@ def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | 
             print(f"reusing tokenized data in {out}")
             return out
         print(f"{out} was tokenized with other weights: tokenizing again")
-        shutil.rmtree(out)
+        print(tokenize(corpus_dir, out, weights=weights, weights_note=note, overwrite=True))  # its own output only
+        return out
     print(tokenize(corpus_dir, out, weights=weights, weights_note=note))
     return out
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 import os
-import shutil
+import re
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -32,10 +32,22 @@ from musiclm_stab.export.features import (
     resolve_layers,
 )
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
+from musiclm_stab.removal import (
+    MARKER,
+    TEMPORARY,
+    discard_temporary,
+    mark_output,
+    output_kind,
+    replace_output,
+    run_signs,
+    same_name,
+    why_not_removable,
+)
 
 MANIFEST = "features.json"
 MANIFEST_TMP = ".features.json.tmp"  # the manifest being written
 SAME_RUN_KEYS = ("model", "layers", "chunk_seconds", "overlap_seconds", "dtype")
+LAYER_FILE = re.compile(r"^layer_\d{2,}\.npy$")  # what a file's output folder holds: layer_XX.npy only
 
 
 def _write_npy_header(f, shape: tuple[int, ...], dtype: np.dtype) -> None:
@@ -51,17 +63,22 @@ def write_features(
     chunk_seconds: float,
     overlap_seconds: float | None = None,
     dtype: str = "float32",
+    *,
+    within: Path,
+    sources: Sequence[Path] = (),
 ) -> int:
     """Write ``out_dir/layer_XX.npy`` ([T, D] each) chunk by chunk, never holding a whole layer; returns T.
 
-    Written under a temporary name and renamed when complete, so a directory that exists is whole.
+    Written under a temporary name and renamed when complete, so a directory that exists is whole. An
+    earlier ``out_dir`` is replaced only if it is a features folder strictly inside the output folder
+    ``within`` and holds none of ``sources`` (removal.py; else removal.Refused, nothing touched).
     """
     T = math.ceil(wav.numel() / HOP_LENGTH)
     np_dtype = np.dtype(dtype)
     partial = _partial(out_dir)
     try:
         with writing(partial):  # a full disk is the output's fault, not the input's: OutputWriteError
-            shutil.rmtree(partial, ignore_errors=True)
+            discard_temporary(partial, ignore_errors=True)  # left by a killed run
             partial.mkdir(parents=True)
             with ExitStack() as files_open:
                 files = {layer: files_open.enter_context(open(partial / f"layer_{layer:02d}.npy", "wb"))
@@ -71,13 +88,52 @@ def write_features(
                 for _, feats in iter_features(wav, model, layers, chunk_seconds, overlap_seconds):
                     for layer, x in zip(layers, feats):
                         files[layer].write(np.ascontiguousarray(x.numpy().astype(np_dtype)).tobytes())
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(partial, out_dir)
+            replace_output(partial, out_dir, inside=within, sources=sources, recognised=is_features_folder)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # the space it took, back (the error raised says what failed)
+        discard_temporary(partial, ignore_errors=True)  # the space it took, back (the error raised says what failed)
         raise
     return T
+
+
+def is_features_folder(path: Path) -> bool:
+    """Whether ``path`` is a file's output folder as ``write_features`` makes them: a real folder holding
+    ``layer_XX.npy`` files and nothing else."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    return bool(entries) and all(LAYER_FILE.match(e.name) and e.is_file() and not e.is_symlink() for e in entries)
+
+
+def _made_by_an_earlier_version(out: Path) -> bool:
+    """Whether the unmarked folder ``out`` is a features output of a version before markers: its
+    features.json names the settings, or it holds nothing but files' output folders (in subfolders too)
+    and temporary folders, as a first run stopped before its manifest leaves it."""
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+        if isinstance(old, dict) and all(k in old for k in (*SAME_RUN_KEYS, "written")):
+            return True
+    except (OSError, ValueError):
+        pass
+
+    def only_outputs(folder: Path) -> bool:
+        return all(TEMPORARY.match(e.name) or is_features_folder(e) or
+                   (e.is_dir() and not e.is_symlink() and any(e.iterdir()) and only_outputs(e))
+                   for e in folder.iterdir() if e.name != MANIFEST_TMP)
+    return only_outputs(out)
+
+
+def _check_output_folder(out: Path) -> None:
+    """Refuse (ValueError) an existing ``out`` that is not empty and is not a features output: features are
+    never written among files of another kind (nor a folder of them skipped as "existing")."""
+    if not out.is_dir() or not any(out.iterdir()) or output_kind(out) == "features":
+        return
+    signs = run_signs(out)
+    if signs:
+        raise ValueError(f"refusing to write features into {out}: it holds a training run ({', '.join(signs)}); "
+                         "choose another output folder")
+    if output_kind(out) is not None or not _made_by_an_earlier_version(out):
+        raise ValueError(f"refusing to write features into {out}: it is not empty and is not a features output "
+                         f"(no {MARKER} or {MANIFEST}); choose a new or empty output folder")
 
 
 @dataclass
@@ -92,28 +148,41 @@ def _partial(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 
+def _short_name(rel: Path) -> Path | None:
+    """``rel`` without its suffix (``sub/a.wav`` -> ``sub/a``); None where that leaves no name of its own
+    (``...wav`` would be ``..``, ``..wav`` ``.``: the folder above the output, or the output itself)."""
+    stem = rel.name[: len(rel.name) - len(rel.suffix)]
+    return None if stem in ("", ".", "..") else rel.with_name(stem)
+
+
 def _output_names(files: list[Path], src: Path) -> list[Path]:
     """Output folder (relative) per file, never one for two files: its path without the suffix
-    (``sub/a.wav`` -> ``sub/a``), or with it (``sub/a.wav``) where the short name would meet another
-    output: the short name of another file (``a.wav``, ``a.flac``), the long name of another
-    (``a.wav.flac`` -> ``a.wav``), a folder holding other outputs (``sub.wav`` -> ``sub`` beside
-    ``sub/b.wav``), another's temporary folder (``.a.partial.wav``) or the manifest (``features.json.wav``).
+    (``sub/a.wav`` -> ``sub/a``), or with it (``sub/a.wav``) where the short name would be no name of its
+    own (``...wav``: ``_short_name``) or would meet another output: the short name of another file
+    (``a.wav``, ``a.flac``; names are compared as a case-insensitive file system does, ``A.wav`` meets
+    ``a.flac``), the long name of another (``a.wav.flac`` -> ``a.wav``), a folder holding other outputs
+    (``sub.wav`` -> ``sub`` beside ``sub/b.wav``), another's temporary folder (``.a.partial.wav``) or any
+    temporary name, the manifest (``features.json.wav``) or the marker.
 
-    Long names cannot meet: they are distinct paths of files, none of which is a folder of another, and
-    they end in an audio extension where a temporary folder ends in ``.partial``. A file switched to its
-    long name may free nothing and clash with no more, so the switching stops.
+    Long names cannot meet: they are distinct paths of files (every part a real name, never empty, ``.``
+    or ``..``), none of which is a folder of another, and they end in an audio extension where a temporary
+    folder ends in ``.partial``. A file switched to its long name may free nothing and clash with no more,
+    so the switching stops.
     """
     rel = [f.relative_to(src) for f in files]
-    long: set[int] = set()  # files named by their long name
+    short = [_short_name(r) for r in rel]
+    long: set[int] = {i for i, s in enumerate(short) if s is None}  # files named by their long name
     while True:
-        names = [r if i in long else r.with_suffix("") for i, r in enumerate(rel)]
+        names = [r if i in long else short[i] for i, r in enumerate(rel)]
         taken: dict[str, list[int]] = {}
         for i, name in enumerate(names):
-            taken.setdefault(name.as_posix(), []).append(i)
-        reserved = {MANIFEST, MANIFEST_TMP} | {_partial(n).as_posix() for n in names} | \
-            {parent.as_posix() for n in names for parent in n.parents if parent != Path(".")}
+            taken.setdefault(same_name(name.as_posix()), []).append(i)
+        reserved = {same_name(n) for n in (MANIFEST, MANIFEST_TMP, MARKER)} | \
+            {same_name(_partial(n).as_posix()) for n in names} | \
+            {same_name(parent.as_posix()) for n in names for parent in n.parents if parent != Path(".")}
         switch = {i for i, n in enumerate(names) if i not in long and
-                  (len(taken[n.as_posix()]) > 1 or n.as_posix() in reserved)}
+                  (len(taken[same_name(n.as_posix())]) > 1 or same_name(n.as_posix()) in reserved
+                   or TEMPORARY.match(n.name))}
         if not switch:
             return names
         long |= switch
@@ -135,7 +204,9 @@ def extract_folder(
 
     One directory per file, ``out/<relative path without suffix>/layer_XX.npy`` ([T, D]), and
     ``out/features.json`` (model, layers, settings, files, failures). Files whose directory exists are
-    skipped unless ``overwrite``; an ``out`` made with other settings is refused. Unreadable audio is
+    skipped unless ``overwrite``; an ``out`` made with other settings is refused, and so is an ``out`` that
+    holds anything but features, or a file's folder that is anything but its features (removal.py: nothing
+    outside ``out`` or of another kind is ever removed, skipped or written over). Unreadable audio is
     reported in ``failed`` (path, kind, reason; any other error while decoding one file is kind ``error``)
     and the run goes on.
     """
@@ -143,11 +214,13 @@ def extract_folder(
 
     src, out = Path(src), Path(out)
     check_folder_path(out)  # a file in the way: refused before the model is loaded
+    with writing(out, "read the output folder"):
+        _check_output_folder(out)  # a folder of other things: refused, also before the model is loaded
     if not isinstance(model, FeatureModel):
         model = load_feature_model(model, device)
     failed: list[dict] = []
     if src.is_file():
-        files, names = [src], [Path(src.stem)]
+        files, names = [src], _output_names([src], src.parent)
     elif src.is_dir():
         problems: list[AudioError] = []  # folders and links the walk could not read: recorded as failures
         try:
@@ -191,6 +264,14 @@ def extract_folder(
         made_from = {w["output"]: w["source"] for w in old.get("written", [])}
     with writing(out, "create the output folder"):
         out.mkdir(parents=True, exist_ok=True)
+        mark_output(out, "features")
+    for path, name in zip(files, names):  # before any work: a folder of other things where an output goes
+        target = out / name
+        in_the_way = why_not_removable(target, inside=out, sources=[src], recognised=is_features_folder) \
+            if target.exists() or target.is_symlink() else None
+        if in_the_way is not None:
+            raise ValueError(f"{target}, the output folder of {path}, is in the way: {in_the_way}; it is never "
+                             "written over or skipped: move it away, or choose another output folder")
     summary = FolderSummary(failed=failed)
     for path, name in tqdm(list(zip(files, names)), desc="features", unit="file", disable=not progress):
         target = out / name
@@ -212,7 +293,8 @@ def extract_folder(
             summary.failed.append({"source": str(path), "kind": "error", "reason": why})
             continue
         try:
-            frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype)
+            frames = write_features(wav, model, target, chosen, chunk_seconds, overlap_seconds, dtype,
+                                    within=out, sources=[src])
         except OutputWriteError as e:  # stop: every later write would fail too; what is written stays
             done = len(summary.written) + len(summary.skipped)
             raise OutputWriteError(f"{e}. Stopped; the {done} files whose features are written are kept: "

@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +63,8 @@ from musiclm_stab.export.exported import HEADS_FILE, PAD_SAMPLES, PADDING_NOTE, 
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.frontend import CONV_LAYERS
 from musiclm_stab.model.norm_schemes import SchemeSpec, resolve_scheme
+from musiclm_stab.removal import discard_temporary, is_inside, mark_output, replace_output, why_not_removable
+from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.trained import load_checkpoint, resolve_checkpoint
 
 ATOL, RTOL = 1e-4, 1e-4  # verification tolerance, fp32: |ours - hf| <= ATOL + RTOL * |ours|
@@ -72,6 +73,8 @@ FORMAT_VERSION = 1
 # (it acts only in training mode); the pretraining masking is recorded in musiclm_stab.json.
 SPEC_AUGMENT_PROB = 0.05
 CARD = "README.md"  # the model card, where the transformers convention puts it
+# Every file an export holds (what an earlier version's export is recognised by, before markers).
+EXPORT_FILES = {"config.json", "model.safetensors", "preprocessor_config.json", HEADS_FILE, SIDECAR, CARD}
 INSTALL_HINT = "pip install 'musiclm_stab[export]'"
 
 
@@ -338,10 +341,9 @@ def export(
     from transformers import __version__ as transformers_version
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(
-            f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it"
-        )
+    failed = out_dir.with_name(f"{out_dir.name}.unverified")
+    check_target(out_dir, path, overwrite)
+    check_target(failed, path, overwrite=True)  # where a failed verification is left
     model, ckpt, step = load_checkpoint(path)
     cfg = model.cfg
     spec = check_exportable(cfg)  # refuse before writing anything
@@ -369,8 +371,9 @@ def export(
     hf_model.load_state_dict(hubert_state_dict(model), strict=True)
 
     partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    discard_temporary(partial, ignore_errors=True)  # left by a killed export
     hf_model.save_pretrained(partial)
+    mark_output(partial, "export")  # what makes it replaceable by a later --overwrite
     Wav2Vec2FeatureExtractor(
         feature_size=1,
         sampling_rate=SAMPLE_RATE,
@@ -383,13 +386,11 @@ def export(
     save_file(heads, str(partial / HEADS_FILE))
     del hf_model
 
-    failed = out_dir.with_name(f"{out_dir.name}.unverified")
-    shutil.rmtree(failed, ignore_errors=True)
     try:
         loaded, loading = HubertModel.from_pretrained(partial, output_loading_info=True)
         verification = compare_with_export(model, loaded, wav, audio_note, atol, rtol)
     except Exception:
-        partial.rename(failed)
+        _replace_export(partial, failed, path)
         raise
     bad = {k: sorted(v) for k, v in loading.items() if v}
     sidecar = {
@@ -436,7 +437,7 @@ def export(
     }
     (partial / SIDECAR).write_text(json.dumps(sidecar, indent=2))
     if bad or not verification.passed:
-        partial.rename(failed)
+        _replace_export(partial, failed, path)
         raise ExportError(
             f"the exported model does not reproduce {ckpt}: states beyond |ours - hf| <= {atol:g} + "
             f"{rtol:g}*|ours|: {', '.join(verification.failing) or 'none'}; loading problems: "
@@ -449,10 +450,42 @@ def export(
                       json.loads(tokenizer.read_text()) if tokenizer.is_file() else None,
                       sidecar["verification"], sum(p.numel() for p in loaded.parameters()))
     (partial / CARD).write_text(card)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    partial.rename(out_dir)
+    _replace_export(partial, out_dir, path)
     return ExportResult(out_dir, verification, str(ckpt))
+
+
+def made_by_an_earlier_version(folder: Path) -> bool:
+    """Whether the unmarked ``folder`` is an export of a version before markers: it holds an export's files
+    and nothing else, its musiclm_stab.json among them with the export's format version."""
+    try:
+        names = {p.name for p in folder.iterdir()}
+        sidecar = json.loads((folder / SIDECAR).read_text())
+    except (OSError, ValueError):
+        return False
+    return names <= EXPORT_FILES and isinstance(sidecar, dict) and "format_version" in sidecar
+
+
+def check_target(out_dir: Path, source: str | Path, overwrite: bool) -> None:
+    """Refuse (ExportError), before any work, an export target that is not new, empty or an earlier export
+    to be replaced (``overwrite``): the source run or checkpoint, a folder holding it, a run directory, a
+    folder inside a checkpoint, anything the package did not make (removal.py)."""
+    source = Path(source)
+    checkpoints = source if (source / STATE_FILE).is_file() else source / "checkpoints"
+    if is_inside(out_dir, checkpoints):
+        raise ExportError(f"refusing to write the export to {out_dir}: it is inside {checkpoints}, which holds "
+                          "the checkpoints; choose a folder outside it")
+    if not (out_dir.exists() or out_dir.is_symlink()) or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    why = why_not_removable(out_dir, "export", sources=[source], recognised=made_by_an_earlier_version)
+    if why is not None:
+        raise ExportError(f"refusing to replace {out_dir}: {why}; choose another folder for the export")
+    if not overwrite:
+        raise ExportError(f"{out_dir} holds an earlier export; pass overwrite=True (--overwrite) to replace it")
+
+
+def _replace_export(partial: Path, out_dir: Path, source: str | Path) -> None:
+    """The complete ``partial`` in place of ``out_dir``, an earlier export only (checked again: removal.py)."""
+    replace_output(partial, out_dir, "export", sources=[source], recognised=made_by_an_earlier_version)
 
 
 def _plain(cfg: ModelConfig) -> dict:
@@ -468,7 +501,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=6.0, help="seconds of audio to verify on")
     p.add_argument("--atol", type=float, default=ATOL)
     p.add_argument("--rtol", type=float, default=RTOL)
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds an earlier export")
     args = p.parse_args(argv)
     try:
         result = export(

@@ -20,6 +20,7 @@ from musiclm_stab.data.tokenized import (
     warn_mixed_devices,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.removal import discard_temporary
 from musiclm_stab.tokenizer.lock import output_lock
 from musiclm_stab.tokenizer.store import (
     DEVICE_KEY,
@@ -103,7 +104,7 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
             if record["file"]:
                 dst = target.out / record["file"]
                 tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-                tmp.unlink(missing_ok=True)
+                discard_temporary(tmp)  # left by a merge killed while copying
                 try:
                     os.link(d.out / record["file"], tmp)
                 except OSError:

@@ -291,7 +291,7 @@ def tokenize(
             "shard": [shard_i, shard_n],
         }
         with writing(out_dir):  # every write to the output: an OS error there stops the run (not an input's fault)
-            out = OutputDir.prepare(out_dir, job, overwrite)
+            out = OutputDir.prepare(out_dir, job, overwrite, sources=_sources(src, refs) if overwrite else ())
         job = out.job()  # an earlier run's unit plan stays in force (file sizes may have changed since)
         # outputs started before per-track batching keep batching across the tracks of a unit
         settings = UnitSettings(segment_samples, min_samples, silence, float(silence_db), batch_size,
@@ -360,6 +360,13 @@ def tokenize(
         with writing(out_dir):
             out.finalize(job_units(job), meta)
         return _summary(out, job, t0, audio_done[0] / SAMPLE_RATE, len(done_before))
+
+
+def _sources(src: str | Path, refs: list | None) -> list[str]:
+    """What a job reads on this machine (the source, the files a folder or a manifest names), which
+    ``--overwrite`` must never remove."""
+    found = [str(src)] if Path(src).exists() else []
+    return found + [r.payload for r in refs or [] if isinstance(r.payload, str)]
 
 
 def _earlier_plan(out_dir: str | Path, overwrite: bool) -> dict | None:

@@ -8,6 +8,8 @@
                                       kind, reason (audio.WARNING_KINDS: odd but usable audio)
       .tokenize.lock                  held (a POSIX record lock, fcntl.lockf: lock.py) by the process writing
                                       the folder: one writer at a time
+      .musiclm-stab-output            the marker (removal.py): this folder is a tokenized dataset, which
+                                      ``--overwrite`` may clear; written before anything else
       state.json, dataset_info.json   an HF dataset (``datasets.load_from_disk(OUT)`` works) whose data
       parts/u000000.arrow ...         files are the committed units' rows, in unit order (no copy at the end)
       .tokenize/job.json              what this output is: weights, settings, source, plan, shard
@@ -17,7 +19,8 @@
 A unit's part file is written under a temporary name and renamed; its record is written the same way
 afterwards, and only a record makes a unit done. A run killed at any moment leaves whole units and
 at most some debris (temporary files, a part without a record), which the next run overwrites or
-deletes. Unit contents depend only on the unit's tracks and the settings, so a resumed run writes the
+deletes (removal.py: only inside a folder that carries the marker, or that an earlier version left with
+its resume state). Unit contents depend only on the unit's tracks and the settings, so a resumed run writes the
 same rows as an uninterrupted one.
 A part's size and sha256 are taken when its unit is committed and go into tokenizer.json's ``parts``,
 which the read side checks (data/tokenized.py ``check_parts``); a rerun first forgets the units whose
@@ -38,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -66,6 +69,17 @@ from musiclm_stab.data.tokenized import (
     unit_groups,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.removal import (
+    KINDS,
+    MARKER,
+    TEMPORARY,
+    clear_output,
+    discard_temporary,
+    mark_output,
+    output_kind,
+    remove_own,
+    run_signs,
+)
 from musiclm_stab.tokenizer.lock import LOCK_FILE
 from musiclm_stab.tokenizer.policy import silent_reason
 from musiclm_stab.tokenizer.sources import TokenizeError
@@ -78,6 +92,7 @@ _COMPARED = ("format", "tokenizer", "settings", "encode", "source", "plan", "sha
 # float rounding differs; the agreement is not measured), so shards made on different device types may be
 # merged and trained on together, with a warning. One output (a resumed run) stays on one device type.
 DEVICE_KEY = "encode.device"
+PART_FILE = re.compile(r"^u\d{6}\.arrow$")  # a unit's part file in parts/ (OutputDir.part_file)
 
 
 class OutputMismatch(ValueError):
@@ -129,37 +144,49 @@ def job_sha256(job: dict) -> str:
 
 
 def _entries(path: Path) -> list[Path]:
-    """What a folder holds, less the lock file (which a run creates before anything else)."""
-    return [p for p in path.iterdir() if p.name != LOCK_FILE]
+    """What a folder holds, less the lock file (which a run creates before anything else) and the marker
+    (also while it is being written, under a temporary name: another run may be writing the folder)."""
+    return [p for p in path.iterdir() if p.name != LOCK_FILE and not p.name.startswith(MARKER)]
 
 
 def check_output_folder(out: str | Path) -> None:
     """Refuse (FileExistsError) an output path that exists and is not a folder this tokenizer wrote:
-    nothing is created in it, not even the lock file."""
+    nothing is created in it, not even the lock file. A folder holding a training run is refused by name
+    (a run directory holds a copy of its data's tokenizer.json: never taken for a tokenized dataset)."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (_entries(out) and not _is_tokenizer_output(out))):
-        raise FileExistsError(f"refusing to use {out}: it exists and does not look like a tokenized "
-                              f"dataset (no {METADATA_FILE}); delete it yourself or choose another output")
-
-
-def _clear(out: Path) -> None:
-    """Delete what a folder holds, except the lock file (which the caller holds)."""
-    for p in _entries(out):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+    if not out.exists():
+        return
+    signs = run_signs(out) if out.is_dir() else []
+    if signs:
+        raise FileExistsError(f"refusing to use {out}: it holds a training run ({', '.join(signs)}); tokenize into "
+                              "another folder")
+    if out.is_dir() and (not _entries(out) or _is_tokenizer_output(out)):
+        return
+    if out.is_dir() and output_kind(out) is not None:
+        raise FileExistsError(f"refusing to use {out}: it holds {KINDS[output_kind(out)]}, not a tokenized dataset; "
+                              "tokenize into another folder")
+    if out.is_dir() and (out / METADATA_FILE).is_file() and not (out / STATE_DIR).exists():
+        raise FileExistsError(f"refusing to use {out}: it holds a tokenized dataset of an older version, without "
+                              "resume state, which this version neither resumes nor replaces; tokenize into another "
+                              "folder (or move that one away yourself)")
+    raise FileExistsError(f"refusing to use {out}: it exists and does not look like a tokenized "
+                          f"dataset (no {MARKER}); delete it yourself or choose another output")
 
 
 def _is_tokenizer_output(path: Path) -> bool:
-    """A folder this tokenizer wrote: resume state, or a tokenizer.json naming its weights. (A plain HF
-    dataset saved with save_to_disk is not one, so --overwrite never deletes it.)"""
-    if (path / STATE_DIR).is_dir():
+    """A folder this tokenizer wrote: its marker names it a tokenized dataset, or (written before markers)
+    it holds the resume state of a job, or only the resume folder of a run killed before it wrote its job.
+    (A run directory's copy of tokenizer.json, or a plain HF dataset saved with save_to_disk, is not one,
+    so --overwrite never deletes them.)"""
+    if output_kind(path) == "tokenized":
         return True
-    try:
-        return "weights_sha256" in json.loads((path / METADATA_FILE).read_text())
-    except (OSError, ValueError, TypeError):
+    if output_kind(path) is not None or run_signs(path):
         return False
+    state = path / STATE_DIR
+    if (state / "job.json").is_file():
+        return True
+    return state.is_dir() and {p.name for p in _entries(path)} <= {STATE_DIR, PARTS_DIR} and \
+        not any((state / "units").glob("*")) and not any((path / PARTS_DIR).glob("*"))
 
 
 class OutputDir:
@@ -174,28 +201,34 @@ class OutputDir:
     # -- opening ------------------------------------------------------------------------------------
 
     @classmethod
-    def prepare(cls, out: str | Path, job: dict, overwrite: bool) -> OutputDir:
+    def prepare(cls, out: str | Path, job: dict, overwrite: bool, sources: Sequence[str | Path] = ()) -> OutputDir:
         """Open ``out`` for ``job``: a new folder, or one this very job started (resume) or finished.
 
         Refuses (OutputMismatch) an output started with other settings, weights, source or shard, and
-        (FileExistsError) a non-empty folder that is not a tokenizer output; ``overwrite`` replaces a
-        tokenizer output of any kind, never anything else. Call it holding ``output_lock(out)``.
+        (FileExistsError) a non-empty folder that is not a tokenizer output (``check_output_folder``);
+        ``overwrite`` clears a tokenizer output of any kind (removal.clear_output), never anything else,
+        nor one that holds any of ``sources`` (what this job reads: removal.Refused). Call it holding
+        ``output_lock(out)``. The folder gets its marker first (an earlier version's output too).
         """
         d = cls(out)
+        check_output_folder(d.out)
+        if d.out.is_dir() and _entries(d.out):
+            mark_output(d.out, "tokenized")  # ours (checked above): an earlier version's gets its marker
         if d.state.is_dir() and not (d.state / "job.json").is_file() and not any(d.units_dir.glob("*")) \
                 and not (d.out / METADATA_FILE).exists():
             # a run killed before it wrote its job: nothing was done, start afresh (an empty parts/ is what
             # versions that made it before the job left)
-            shutil.rmtree(d.state)
+            remove_own(d.state, d.out, "tokenized")
             if d.parts_dir.is_dir() and not any(d.parts_dir.iterdir()):
-                d.parts_dir.rmdir()
-        if d.out.exists() and (not d.out.is_dir() or _entries(d.out)):
-            check_output_folder(d.out)
+                remove_own(d.parts_dir, d.out, "tokenized")
+        if d.out.exists() and _entries(d.out):
             if overwrite:
-                _clear(d.out)
+                clear_output(d.out, "tokenized", keep=(LOCK_FILE,), sources=sources)
             elif not (d.state / "job.json").is_file():
-                raise FileExistsError(f"{d.out} holds a tokenized dataset made without resume state (an older "
-                                      "version); pass --overwrite (overwrite=True) to replace it")
+                raise FileExistsError(f"{d.out} is a tokenized dataset whose resume state "
+                                      f"({d.state / 'job.json'}) is missing, so it can be neither resumed nor "
+                                      "reused; pass --overwrite (overwrite=True) to start over, or choose another "
+                                      "output folder")
             else:
                 old = d.job()
                 if "units" in job["plan"] and old["plan"].get("names_sha256") == job["plan"].get("names_sha256"):
@@ -214,9 +247,9 @@ class OutputDir:
                         f"pass --overwrite (overwrite=True) to start over{device}.")
                 d._make_dirs()  # a run killed right after writing its job made none yet
                 return d
+        d.out.mkdir(parents=True, exist_ok=True)
+        mark_output(d.out, "tokenized")  # first: from then on the folder is a tokenizer output
         d.state.mkdir(parents=True, exist_ok=True)
-        # the job first: from then on the folder is a tokenizer output (a run killed before it leaves only
-        # .tokenize/, which the next run deletes, above)
         atomic_write(d.state / "job.json", json.dumps(job, indent=1) + "\n")
         d._make_dirs()
         return d
@@ -293,9 +326,9 @@ class OutputDir:
                     (complete and track_verdict([records[k]["piece"] for k in ks], settings)):
                 failed.update(ks)
         if failed:
-            (self.out / METADATA_FILE).unlink(missing_ok=True)
+            remove_own(self.out / METADATA_FILE, self.out, "tokenized")
             for k in sorted(failed):
-                (self.units_dir / f"u{k:06d}.json").unlink()
+                remove_own(self.units_dir / f"u{k:06d}.json", self.out, "tokenized")
         return len(failed)
 
     def reopen_damaged(self) -> list[str]:
@@ -314,9 +347,9 @@ class OutputDir:
         if damaged:
             warnings.warn(f"{self.out}: redoing {len(damaged)} work unit(s) whose part file is damaged: "
                           + "; ".join(f"{file.relative_to(self.out)}: {why}" for file, why in damaged), stacklevel=2)
-            (self.out / METADATA_FILE).unlink(missing_ok=True)
+            remove_own(self.out / METADATA_FILE, self.out, "tokenized")
             for file, _ in damaged:
-                (self.units_dir / f"u{units[file]:06d}.json").unlink()
+                remove_own(self.units_dir / f"u{units[file]:06d}.json", self.out, "tokenized")
         return [str(file.relative_to(self.out)) for file, _ in damaged]
 
     # -- finishing ----------------------------------------------------------------------------------
@@ -403,8 +436,10 @@ class OutputDir:
         # part files of every record stay (a refused long track's pieces too: merging links them)
         keep = {Path(r["file"]).name for r in c["records"] if r["file"]}
         for stray in self.parts_dir.iterdir():  # temporary files of killed runs, parts of retried units
-            if stray.name not in keep:
-                stray.unlink()
+            if TEMPORARY.match(stray.name):
+                discard_temporary(stray)
+            elif PART_FILE.match(stray.name) and stray.name not in keep:
+                remove_own(stray, self.out, "tokenized")
         meta = {
             **meta,
             "num_rows": c["num_rows"],

@@ -27,6 +27,7 @@ from musiclm_stab.audio import AudioError, AudioReader, resampled_blocks, scan
 from musiclm_stab.data.tokenized import FEATURES
 from musiclm_stab.durable import fsync_dir
 from musiclm_stab.output_errors import OutputWriteError, writing
+from musiclm_stab.removal import discard_temporary
 from musiclm_stab.tokenizer.encode import encode_batch, fp32_precision
 from musiclm_stab.tokenizer.policy import UnitSettings, refusal, silent_reason
 from musiclm_stab.tokenizer.segments import Piece, cut_segments, piece_rows, segment_bounds
@@ -160,10 +161,8 @@ class _Part:
                     self.writer.close()
                 except Exception:  # already closed, or never opened its stream
                     pass
-            try:
-                self.tmp.unlink()
-            except OSError:  # a failing disk: the error being raised says so; finalize deletes the debris later
-                pass
+            # a failing disk: the error being raised says so; finalize deletes the debris later
+            discard_temporary(self.tmp, ignore_errors=True)
 
 
 def run_unit(spec: SourceSpec, k: int, refs: list[TrackRef], model: EncodecModel, settings: UnitSettings,

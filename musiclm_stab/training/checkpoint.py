@@ -8,15 +8,22 @@ manifest and the directory are fsynced before the rename, and the directory hold
 (``durable.fsync_dir``), so a crash or a power loss at any moment leaves either the previous checkpoints
 or the new complete one; ``newest_valid`` checks the hashes and skips a damaged checkpoint with a warning
 instead of loading it half-way; the ``.tmp-*`` left by a write that a crash interrupted is removed on
-``--resume`` and before the next write.
+``--resume`` and before the next write. The manifest lists every file of the checkpoint: a file it does
+not list (the loader would read it unchecked) makes the checkpoint damaged. A file that cannot be read
+(EACCES, as a shared file system may answer for a moment) is no damage: such a checkpoint is unreadable,
+and is neither used, moved nor removed. ``--resume`` takes ``resume_point``: the newest intact checkpoint,
+but it stops (ResumeRefused) where checkpoints exist and none is intact, or a newer one is unreadable,
+naming each and why, instead of starting again from step 0.
 
 Pruning keeps the newest ``train.keep_checkpoints`` *intact* checkpoints (hashes checked; never fewer
 than one, the one just written) plus, with ``train.keep_every=M``, every checkpoint at a multiple of M;
-the others go, damaged ones included (they can never be loaded). A step that is already published and
-intact is never written again (a SIGTERM right after a checkpoint asks for the same step): rewriting it
-would delete it before its replacement is in place. A write that fails (e.g. the disk is full) removes
-its partial ``.tmp-*`` and raises ``CheckpointWriteError`` naming the directory, the free space and the
-previous checkpoint, left intact.
+the others go, but a damaged one is moved aside (``step_N.aside-<time>``, removal.move_aside: damaged by
+what?) and an unreadable one left in place, each with a warning. A damaged checkpoint of the step being
+published is moved aside the same way, never replaced. A step that is already published and intact is
+never written again (a SIGTERM right after a checkpoint asks for the same step): rewriting it would
+delete it before its replacement is in place. A write that fails (e.g. the disk is full) removes its
+partial ``.tmp-*`` and raises ``CheckpointWriteError`` naming the directory, the free space and the
+previous checkpoint, left intact. Every removal goes through removal.py.
 
 ``save`` runs in phases, each a named function: ``remove_partial``, ``already_published``,
 ``write_state`` (every process), ``write_manifest``, ``publish``, ``prune`` (main process). After each,
@@ -37,8 +44,10 @@ import os
 import re
 import resource
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -47,7 +56,9 @@ from accelerate.utils import (
     gather_object,
 )
 
+from musiclm_stab.config import ConfigError
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.removal import discard_temporary, move_aside, remove_own
 from musiclm_stab.training import registered
 from musiclm_stab.training.registered import Registered
 
@@ -60,8 +71,26 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); the previous ones are intact."""
 
 
+class ResumeRefused(ConfigError):
+    """--resume found checkpoints but none it may resume from; nothing was changed."""
+
+
+CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}\d+$")  # step_N: not step_N.aside-<time>
+
+
 def checkpoint_step(path: Path) -> int:
     return int(path.name[len(CHECKPOINT_PREFIX):])
+
+
+def _has_manifest(ckpt: Path) -> bool:
+    """Whether ``ckpt`` has its manifest; one that cannot be looked at (EACCES) counts: the checkpoint is
+    then unreadable, which ``problem`` says, not absent."""
+    try:
+        return stat.S_ISREG((ckpt / STATE_FILE).stat().st_mode)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -69,8 +98,15 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     ckpt_dir = Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         return []
-    found = [p for p in ckpt_dir.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_FILE).is_file()]
+    found = [p for p in ckpt_dir.iterdir() if CHECKPOINT_NAME.match(p.name) and _has_manifest(p)]
     return sorted(found, key=checkpoint_step)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a published checkpoint of a run: ``checkpoints/step_N`` with its manifest (what
+    pruning may remove: removal.remove_own)."""
+    return path.parent.name == "checkpoints" and bool(CHECKPOINT_NAME.match(path.name)) and \
+        not path.is_symlink() and (path / STATE_FILE).is_file()
 
 
 def sha256_file(path: Path) -> str:
@@ -81,22 +117,49 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(ckpt: Path) -> str | None:
-    """None if the checkpoint is intact, else the reason it is not."""
+@dataclass(frozen=True)
+class Problem:
+    """Why a checkpoint cannot be loaded: ``unreadable`` (an OS error reading it: no damage, it may be
+    readable again) or damaged (a file missing, unlisted, or not matching its sha256)."""
+
+    reason: str
+    unreadable: bool = False
+
+
+def problem(ckpt: Path) -> Problem | None:
+    """None if the checkpoint is intact: its manifest lists every file it holds (but itself and a
+    temporary ``.tmp-*``), and each matches its sha256; else what is wrong."""
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        return f"unreadable {STATE_FILE}: {e}"
-    for name, digest in state.get("files", {}).items():
+        held = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                      if not p.is_dir() and p.name != STATE_FILE and not p.name.startswith(PARTIAL_PREFIX))
+    except OSError as e:
+        return Problem(f"unreadable: {e.strerror or e}", unreadable=True)
+    except ValueError as e:
+        return Problem(f"unreadable {STATE_FILE}: {e}")
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(files, dict):
+        return Problem(f"{STATE_FILE} lists no files")
+    unlisted = [name for name in held if name not in files]
+    if unlisted:
+        return Problem(f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {STATE_FILE} "
+                       "(the manifest must vouch for every file the loader reads)")
+    for name, digest in files.items():
         f = ckpt / name
-        if not f.is_file():
-            return f"{name} is missing"
         try:
+            if not f.is_file():
+                return Problem(f"{name} is missing")
             if sha256_file(f) != digest:
-                return f"{name} does not match its sha256 in {STATE_FILE}"
+                return Problem(f"{name} does not match its sha256 in {STATE_FILE}")
         except OSError as e:
-            return f"{name} is unreadable: {e.strerror}"
+            return Problem(f"{name} is unreadable: {e.strerror or e}", unreadable=True)
     return None
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if the checkpoint is intact, else the reason it is not (``problem``)."""
+    found = problem(ckpt)
+    return None if found is None else found.reason
 
 
 class Intact:
@@ -114,28 +177,56 @@ class Intact:
     def forget(self, ckpt: Path) -> None:
         self._known.pop(Path(ckpt), None)
 
-    def problem(self, ckpt: Path) -> str | None:
-        """``verify(ckpt)``, skipped for a checkpoint known intact."""
+    def problem(self, ckpt: Path) -> Problem | None:
+        """``problem(ckpt)``, skipped for a checkpoint known intact."""
         ckpt = Path(ckpt)
         try:
             inode = ckpt.stat().st_ino
         except OSError as e:
-            return f"unreadable: {e.strerror}"
+            return Problem(f"unreadable: {e.strerror}", unreadable=True)
         if self._known.get(ckpt) == inode:
             return None
-        problem = verify(ckpt)
-        if problem is None:
+        found = problem(ckpt)
+        if found is None:
             self._known[ckpt] = inode
-        return problem
+        return found
 
 
 def newest_valid(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint; damaged ones are named in a warning and skipped."""
+    """The newest intact checkpoint; damaged and unreadable ones are named in a warning and skipped (for
+    reading a trained model; ``--resume`` takes ``resume_point``)."""
     for ckpt in reversed(list_checkpoints(run_dir)):
-        problem = verify(ckpt)
-        if problem is None:
+        found = problem(ckpt)
+        if found is None:
             return ckpt
-        warnings.warn(f"skipping damaged checkpoint {ckpt}: {problem}", stacklevel=2)
+        warnings.warn(f"skipping {'unreadable' if found.unreadable else 'damaged'} checkpoint {ckpt}: "
+                      f"{found.reason}", stacklevel=2)
+    return None
+
+
+def resume_point(run_dir: Path) -> Path | None:
+    """The checkpoint ``--resume`` starts from: the newest intact one, newer damaged ones named in a warning
+    and skipped (pruning and publishing move them aside later, never delete them); None where there is no
+    checkpoint at all. ResumeRefused, naming each checkpoint and why, where checkpoints exist and none is
+    intact, or a newer one is unreadable (no damage: it may be readable again, and it is the run's
+    progress): a new run from step 0 would write over their steps. Nothing is changed."""
+    skipped: list[tuple[Path, Problem]] = []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        found = problem(ckpt)
+        if found is not None and found.unreadable:
+            raise ResumeRefused(f"cannot resume {run_dir}: checkpoint {ckpt.name}: {found.reason}, which is no damage: "
+                                "it is neither used, moved nor removed; make it readable, then resume with the same "
+                                "command")
+        if found is None:
+            for bad, why in skipped:
+                warnings.warn(f"skipping damaged checkpoint {bad}: {why.reason}", stacklevel=2)
+            return ckpt
+        skipped.append((ckpt, found))
+    if skipped:
+        raise ResumeRefused(f"cannot resume {run_dir}: none of its {len(skipped)} checkpoint(s) is intact: "
+                            + "; ".join(f"{c.name}: {why.reason}" for c, why in skipped)
+                            + ". Nothing was changed (a new run from step 0 would write over them): restore them "
+                            "from a copy, or start a new run (another --train.name)")
     return None
 
 
@@ -147,10 +238,7 @@ def remove_partial(run_dir: Path) -> list[Path]:
     """Remove the ``.tmp-*`` writes a crash left unfinished (never loaded: they were never renamed)."""
     found = sorted((Path(run_dir) / "checkpoints").glob(f"{PARTIAL_PREFIX}*"))
     for partial in found:
-        if partial.is_dir():
-            shutil.rmtree(partial)
-        else:
-            partial.unlink()
+        discard_temporary(partial)
     return found
 
 
@@ -208,38 +296,47 @@ def publish(tmp: Path, final: Path) -> None:
     """Phase 3, main process: move the complete checkpoint into place, and fsync the directories whose
     entries that changed (``checkpoints/``, and the run directory holding it) before anything older is
     pruned. A checkpoint already at ``final`` is a damaged one (an intact one is never written again:
-    ``already_published``): it is moved aside (a ``.tmp-*`` name, removed like a partial write if a
-    crash leaves it) and removed once the new one is in place."""
-    aside = final.with_name(f"{PARTIAL_PREFIX}replaced-{final.name}")
-    if final.exists():
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.replace(final, aside)
+    ``already_published``): it is moved aside (``step_N.aside-<time>``) with a warning saying where, never
+    deleted; an unreadable one is no damage, and stops the write (OSError) with it left in place."""
+    if final.exists() or final.is_symlink():
+        found = problem(final)
+        if found is not None and found.unreadable:
+            raise OSError(errno.EACCES, f"{final} exists and is {found.reason} (no damage: it is not moved)")
+        aside = move_aside(final)
+        warnings.warn(f"moved damaged checkpoint {final} aside to {aside.name}"
+                      + (f": {found.reason}" if found else ""), stacklevel=2)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     fsync_dir(final.parent.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
 
 
 def prune(run_dir: Path, keep: int, keep_every: int = 0, intact: Intact | None = None) -> list[Path]:
     """Phase 4, main process: delete the checkpoints ``to_prune`` names, checking the integrity of the
-    newest ones (``intact`` knows those this process wrote or verified). Returns the deleted ones."""
+    newest ones (``intact`` knows those this process wrote or verified); of those, a damaged one is moved
+    aside and an unreadable one left, each with a warning. Returns the ones gone from their place."""
     intact = intact or Intact()
+    ckpt_dir = Path(run_dir) / "checkpoints"
     by_step = {checkpoint_step(c): c for c in list_checkpoints(run_dir)}
-    problems: dict[int, str | None] = {}
+    problems: dict[int, Problem | None] = {}
 
     def is_intact(step: int) -> bool:
         problems[step] = intact.problem(by_step[step])
         return problems[step] is None
 
-    doomed = [by_step[s] for s in to_prune(list(by_step), keep, keep_every, is_intact)]
-    for ckpt in doomed:
-        if problems.get(checkpoint_step(ckpt)):
-            warnings.warn(f"removing damaged checkpoint {ckpt}: {problems[checkpoint_step(ckpt)]}", stacklevel=2)
-        shutil.rmtree(ckpt)
+    gone = []
+    for ckpt in [by_step[s] for s in to_prune(list(by_step), keep, keep_every, is_intact)]:
+        found = problems.get(checkpoint_step(ckpt))
+        if found is not None and found.unreadable:
+            warnings.warn(f"keeping unreadable checkpoint {ckpt} in place: {found.reason}", stacklevel=2)
+            continue
+        if found is not None:
+            aside = move_aside(ckpt)
+            warnings.warn(f"moved damaged checkpoint {ckpt} aside to {aside.name}: {found.reason}", stacklevel=2)
+        else:
+            remove_own(ckpt, ckpt_dir, recognised=is_checkpoint)
         intact.forget(ckpt)
-    return doomed
+        gone.append(ckpt)
+    return gone
 
 
 def reuse_published(final: Path, step: int, state: dict, intact: Intact) -> bool:
@@ -417,7 +514,7 @@ def run_phase(accelerator: Accelerator, run_dir: Path, tmp: Path, run: bool, act
                        f"checkpoints of {tmp.parent} failed: {'; '.join(t for t, _ in reasons)}. Fix the cause, "
                        "then resume with the same command and --resume.")
         else:
-            shutil.rmtree(tmp, ignore_errors=True)  # partial files only: nothing here was ever loadable
+            discard_temporary(tmp, ignore_errors=True)  # partial files only: nothing here was ever loadable
             message = _write_failure(run_dir, tmp, reasons, doing)
     failure = _fail(accelerator, message)
     if error is not None and not _expected(error):

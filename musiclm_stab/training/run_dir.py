@@ -27,6 +27,7 @@ from pathlib import Path
 from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.locks import Held, ProcessLock
+from musiclm_stab.removal import discard_temporary, move_tail_aside
 
 LOCK_FILE = ".train.lock"
 
@@ -228,7 +229,7 @@ def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1, res
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*run_dir.glob(".config.yaml.*.part"), *run_dir.glob(".tokenizer.json.*.part")]:
-            stale.unlink()  # left by a trainer killed while writing them (this one holds the run's lock)
+            discard_temporary(stale)  # left by a trainer killed while writing them (this one holds the run's lock)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         save_config(cfg, part, comment=f"launched with {global_batch(cfg, num_processes)}")
         fsync_file(part)
@@ -241,14 +242,14 @@ def write_run_dir(cfg: Config, tokenizer_info: dict, num_processes: int = 1, res
                 raise ConfigError(f"run directory {run_dir} already exists; pass --resume to continue it, "
                                   f"or choose another --train.name") from None
             finally:
-                part.unlink(missing_ok=True)
+                discard_temporary(part)
         tok = run_dir / f".tokenizer.json.{os.getpid()}.part"
         tok.write_text(json.dumps(tokenizer_info, indent=2))
         fsync_file(tok)
         os.replace(tok, run_dir / "tokenizer.json")
         fsync_dir(run_dir)
     except OSError as e:
-        part.unlink(missing_ok=True)
+        discard_temporary(part, ignore_errors=True)
         raise _os_error(run_dir, e, "write the run directory") from None
     return run_dir
 
@@ -270,3 +271,23 @@ def _create(part: Path, path: Path) -> None:
         f.write(part.read_bytes())
         f.flush()
         os.fsync(f.fileno())
+
+
+def rewind_metrics(path: Path, step: int) -> Path | None:
+    """Before a resumed run logs the steps after its checkpoint ``step`` again: move the rows of
+    metrics.jsonl that the stopped run logged after that checkpoint (from the end back to the last row at or
+    before ``step``; a partial last line too) to ``metrics.jsonl.aside-<time>`` (removal.move_tail_aside), so
+    that no step is in the file twice; returns that file (None: nothing to move)."""
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    offset = len(data)
+    for line in reversed(data.splitlines(keepends=True)):
+        try:
+            logged = json.loads(line).get("step") if line.endswith(b"\n") else None
+        except (ValueError, AttributeError):
+            logged = None
+        if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
+            break
+        offset -= len(line)
+    return move_tail_aside(path, offset)

@@ -49,6 +49,7 @@ from musiclm_stab.training.run_dir import (
     lock_run_dir,
     on_main,
     resolve_grad_accum,
+    rewind_metrics,
     warmup_line,
     write_run_dir,
 )
@@ -125,6 +126,8 @@ class Trainer:
         check_memory_fits(cfg, accelerator.device, local_process_count(accelerator.num_processes))
         self.run_lock = lock_run_dir(accelerator, cfg.run_dir)
         check_run_dir(cfg, resume, tokenizer_info)
+        # the newest intact checkpoint; ResumeRefused (exit 2) where none is, before the directory is written
+        resume_from = checkpoint.resume_point(cfg.run_dir) if resume else None
         self.tokenizer_sha256 = tokenizer_info.get("weights_sha256")
         accelerator.wait_for_everyone()  # every process has checked the run directory before it is written
         on_main(accelerator, write_run_dir, cfg, tokenizer_info, accelerator.num_processes, resume)
@@ -160,13 +163,16 @@ class Trainer:
                 for partial in checkpoint.remove_partial(self.run_dir):
                     print(f"removed {partial}: a checkpoint write interrupted by a crash (incomplete, never loaded)")
             accelerator.wait_for_everyone()
-            ckpt = checkpoint.newest_valid(self.run_dir)
-            if ckpt is not None:
-                self.step = self.load_checkpoint(ckpt)
-                accelerator.print(f"resumed from {ckpt} at step {self.step}")
+            if resume_from is not None:
+                self.step = self.load_checkpoint(resume_from)
+                accelerator.print(f"resumed from {resume_from} at step {self.step}")
             else:
-                accelerator.print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; "
-                                  "starting at step 0")
+                accelerator.print(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting at step 0")
+            if accelerator.is_main_process:  # the steps after the checkpoint are logged again: never twice
+                aside = rewind_metrics(self.run_dir / "metrics.jsonl", self.step)
+                if aside is not None:
+                    print(f"moved the rows of metrics.jsonl after step {self.step} (logged after that checkpoint "
+                          f"by the run that stopped) to {aside}")
         self.stream = micro_batches(self.loader, self.epoch_objects, accelerator, self.consumed)
         self.global_batch_s = global_batch_crops(cfg, accelerator.num_processes) * cfg.data.crop_seconds
 
