@@ -182,13 +182,13 @@ def study(scale: str = "cpu", *, runs: PathLike = "runs", data: PathLike | None 
     under ``work``, made when missing); ``steps``, ``seeds``, ``lrs``: instead of the scale's;
     ``settings``: applied last to every run; ``jobs``: runs at a time. Finished runs are reused, interrupted
     ones resumed (docs/STUDY.md)."""
-    from musiclm_stab.experiments.launch import default_data
+    from musiclm_stab.experiments.launch import STUDY_RENDERER, default_data
     from musiclm_stab.experiments.study import run_study
     from musiclm_stab.experiments.study_plan import DEFAULT_JOBS, STUDY_DATA, plan_study
 
     if data is None and scale in STUDY_DATA:
         preset, tracks = STUDY_DATA[scale]
-        data = default_data(work, tracks, preset)
+        data = default_data(work, tracks, preset, STUDY_RENDERER)
     plan = plan_study(scale, runs, data, steps, name, _overrides(settings), seeds,
                       lrs=None if lrs is None else tuple(lrs))
     return run_study(plan, threads=1 if scale == "cpu" else None, jobs=jobs or DEFAULT_JOBS[scale], probe=probe)

@@ -38,7 +38,14 @@ from musiclm_stab.analysis.sweep_report import (
     write_outputs,
 )
 from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
-from musiclm_stab.experiments.launch import RECIPES, add_job_options, as_overrides, default_data, run_state
+from musiclm_stab.experiments.launch import (
+    RECIPES,
+    STUDY_RENDERER,
+    add_job_options,
+    as_overrides,
+    default_data,
+    run_state,
+)
 
 DEFAULT_RECIPE = RECIPES / "tiny.yaml"
 # Defaults: the sweep of docs/STUDY.md (~18 min of training on 2 shared cores, bf16 given by --set there).
@@ -251,7 +258,7 @@ def _sweep_main(args: argparse.Namespace) -> int:
     t0 = time.time()
     data = args.data
     if data is None:
-        data = str(default_data(args.work))
+        data = str(default_data(args.work, renderer=STUDY_RENDERER))  # the corpus of the sweep's documented results
     try:
         results = run_sweep(
             args.schemes, args.lrs, args.steps, args.out, args.recipe, data, args.extra, args.last
