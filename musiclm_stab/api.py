@@ -197,7 +197,7 @@ def study(scale: str = "cpu", *, runs: PathLike = "runs", data: PathLike | None 
 def export_hubert(run: PathLike, out_dir: PathLike, **options: Any) -> ExportResult:
     """The encoder of a run (newest checkpoint) or checkpoint as a ``transformers.HubertModel`` directory
     with its model card (README.md), verified layer by layer (``musiclm-stab export``; needs the ``export``
-    extra). ``options``: those of ``musiclm_stab.export.hubert.export`` (audio, seconds, overwrite)."""
+    extra). ``options``: those of ``musiclm_stab.export.hubert.export`` (audio, seconds, overwrite, license)."""
     from musiclm_stab.export.hubert import export as _export
 
     return _export(run, out_dir, **options)
