@@ -15,6 +15,9 @@ from collections import OrderedDict
 import datasets
 import numpy as np
 import pyarrow as pa
+# Private parts of datasets (pyproject.toml bounds datasets below 5.3 for them): no public API gives the files
+# behind a stream (IterableDataset._ex_iterable.kwargs) or builds a stream of arrow tables sharded and shuffled
+# as load_dataset("arrow", streaming=True) shards and shuffles its files (ArrowExamplesIterable).
 from datasets.iterable_dataset import ArrowExamplesIterable
 from torch.utils.data import IterableDataset, get_worker_info
 

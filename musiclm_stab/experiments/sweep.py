@@ -117,7 +117,10 @@ def sweep_config(
 
 
 def train_in_process(cfg: Config, resume: bool = False) -> Path:
-    """Train one run here, with a fresh accelerate state (accelerate keeps one per process)."""
+    """Train one run here, with a fresh accelerate state (accelerate keeps one per process).
+
+    ``_reset_state`` is private: accelerate has no public way to drop its process-wide state (its own tests
+    call this), so pyproject.toml bounds accelerate below the first release not tested (1.17)."""
     from accelerate.state import AcceleratorState, GradientState
 
     from musiclm_stab.training.trainer import Trainer
