@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: main test lint format bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/study-lock.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[corpus,dev]"
-	# tinysoundfont declares pyaudio (live playback only; needs PortAudio headers): install without it.
-	$(PY) -m pip install -q --no-deps tinysoundfont
+	# the study's exact environment (requirements/study-lock.txt) as constraints: CI tests what the study ran on
+	$(PY) -m pip install -q -e ".[corpus,dev]" -c requirements/study-lock.txt
+	# tinysoundfont renders the studies' corpora; it declares pyaudio (live playback only; needs PortAudio
+	# headers): install it without. The default corpus needs neither (musiclm_stab/corpus/sampler.py).
+	$(PY) -m pip install -q --no-deps tinysoundfont==0.3.7
 	touch $(STAMP)
 
 main: $(STAMP)
@@ -26,18 +28,18 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format musiclm_stab tests data benchmarks
 
-TOKENS := work/default_corpus_tokens/tokenizer.json
+TOKENS := work/default_corpus_sampler_tokens/tokenizer.json
 $(TOKENS): $(STAMP)
 	$(VENV)/bin/musiclm-stab quickstart --data-only
 
 # The CPU benchmarks, short settings (results and the longer commands: benchmarks/README.md).
 bench: $(STAMP) $(TOKENS)
 	$(PY) benchmarks/bench_train_step.py --size base --schemes pre --repeats 2 --variants ours before peer
-	$(PY) benchmarks/bench_input.py --data work/default_corpus_tokens --size tiny --steps 20 --rounds 2
-	$(PY) benchmarks/bench_processes.py --data work/default_corpus_tokens --steps 20 --warmup 5 --repeats 1
+	$(PY) benchmarks/bench_input.py --data work/default_corpus_sampler_tokens --size tiny --steps 20 --rounds 2
+	$(PY) benchmarks/bench_processes.py --data work/default_corpus_sampler_tokens --steps 20 --warmup 5 --repeats 1
 	$(PY) benchmarks/bench_cqt.py --seconds 30 --repeats 5
 	$(PY) benchmarks/bench_tokenize.py throughput --work work/bench_tokenize --tracks 4 --repeats 1 \
-		$(if $(wildcard work/encodec_local_seed0.pt),--weights work/encodec_local_seed0.pt)
+		$(if $(wildcard work/encodec_local_seed0_sampler.pt),--weights work/encodec_local_seed0_sampler.pt)
 
 clean:
 	rm -rf work runs

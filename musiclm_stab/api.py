@@ -176,13 +176,13 @@ def study(scale: str = "cpu", *, runs: PathLike = "runs", data: PathLike | None 
     under ``work``, made when missing); ``steps``, ``seeds``, ``lrs``: instead of the scale's;
     ``settings``: applied last to every run; ``jobs``: runs at a time. Finished runs are reused, interrupted
     ones resumed (docs/STUDY.md)."""
-    from musiclm_stab.experiments.launch import default_data
+    from musiclm_stab.experiments.launch import STUDY_RENDERER, default_data
     from musiclm_stab.experiments.study import run_study
     from musiclm_stab.experiments.study_plan import DEFAULT_JOBS, STUDY_DATA, plan_study
 
     if data is None and scale in STUDY_DATA:
         preset, tracks = STUDY_DATA[scale]
-        data = default_data(work, tracks, preset)
+        data = default_data(work, tracks, preset, STUDY_RENDERER)
     plan = plan_study(scale, runs, data, steps, name, _overrides(settings), seeds,
                       lrs=None if lrs is None else tuple(lrs))
     return run_study(plan, threads=1 if scale == "cpu" else None, jobs=jobs or DEFAULT_JOBS[scale], probe=probe)
@@ -191,7 +191,7 @@ def study(scale: str = "cpu", *, runs: PathLike = "runs", data: PathLike | None 
 def export_hubert(run: PathLike, out_dir: PathLike, **options: Any) -> ExportResult:
     """The encoder of a run (newest checkpoint) or checkpoint as a ``transformers.HubertModel`` directory
     with its model card (README.md), verified layer by layer (``musiclm-stab export``; needs the ``export``
-    extra). ``options``: those of ``musiclm_stab.export.hubert.export`` (audio, seconds, overwrite)."""
+    extra). ``options``: those of ``musiclm_stab.export.hubert.export`` (audio, seconds, overwrite, license)."""
     from musiclm_stab.export.hubert import export as _export
 
     return _export(run, out_dir, **options)

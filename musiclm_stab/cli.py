@@ -72,11 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"musiclm-stab: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from musiclm_stab.corpus.render import MissingPackage
+
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         status = int(module.cli_main(argv[1:]) or 0)
         sys.stdout.flush()  # output shorter than the buffer is written here, not at exit, where a failure is noise
         return status
+    except MissingPackage as e:  # an optional package the job needs (the corpus builder's): one line, no traceback
+        print(f"musiclm-stab {argv[0]}: error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         if not _reader_gone(sys.stdout):
             raise  # another pipe (a worker, a subprocess): a real error

@@ -21,6 +21,7 @@ from musiclm_stab.config import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.M | re.S)
+GUARD_WARNING = "each spawned worker would run the script again"
 
 
 def test_import_is_light():
@@ -85,27 +86,52 @@ def test_make_config_takes_recipe_names_paths_and_settings(tmp_path):
         musiclm_stab.train(cfg, {"train.max_steps": 1})
 
 
+def _write_songs(folder: Path, make_music, count: int) -> None:
+    """``count`` tracks of 6 s (one 10 s-segment's worth each): song.wav, then track_1.wav, ..."""
+    folder.mkdir()
+    for i in range(count):
+        sf.write(folder / ("song.wav" if i == 0 else f"track_{i}.wav"), make_music(6.0, seed=300 + i), 24_000)
+
+
 @pytest.mark.slow
-def test_readme_example_runs(tmp_path, local_weights, make_music):
-    """The README's Python example, as written, on tiny data: it tokenizes, trains, evaluates, takes
-    features and plots (run as a notebook runs it: one fresh interpreter, code given as text)."""
+def test_readme_example_runs_as_a_file(tmp_path, local_weights, make_music):
+    """The README's Python example, saved as example.py and run as `python example.py` (spawned tokenizer
+    workers import the file again) from a folder outside the checkout, on tiny data: it tokenizes, trains,
+    evaluates, takes features and plots, in worker processes and with no warning."""
     blocks = PYTHON_BLOCK.findall((ROOT / "README.md").read_text())
     assert len(blocks) == 1 and "import musiclm_stab as ms" in blocks[0]
-    code = blocks[0]
-    (tmp_path / "audio").mkdir()
-    for i in range(6):  # 6 s tracks: one segment each, 5 to train on (a batch of 4 crops), 1 held out
-        sf.write(tmp_path / "audio" / ("song.wav" if i == 0 else f"track_{i}.wav"), make_music(6.0, seed=300 + i),
-                 24_000)
+    _write_songs(tmp_path / "audio", make_music, 6)  # 5 to train on (a batch of 4 crops), 1 held out
     (tmp_path / "work").mkdir()
     shutil.copy(local_weights, tmp_path / "work" / "encodec_local.pt")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**_env(), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+    (tmp_path / "example.py").write_text(blocks[0])
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900, env={**_env(), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and GUARD_WARNING not in proc.stderr, proc.stderr[-4000:]
     cb0 = float(proc.stdout.strip().splitlines()[-1])
     assert 0 < cb0 < 12
     run = tmp_path / "runs" / "tiny"
     assert json.loads((run / "eval" / "step_00000020.json").read_text())["eval/acoustic_mlm_loss/cb0"] == cb0
     assert (tmp_path / "figures" / "loss.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_script_without_the_guard_gets_one_warning_not_a_storm(tmp_path, local_weights, make_music):
+    """A script that calls ms.tokenize with two workers at its top level (no `if __name__ == "__main__":`)
+    tokenizes all the same, in its own process, and says so in one warning naming its line and the guard:
+    no worker runs the script again, no traceback."""
+    _write_songs(tmp_path / "audio", make_music, 2)
+    (tmp_path / "example.py").write_text(
+        "import musiclm_stab as ms\n"
+        f"summary = ms.tokenize('audio/', 'tokens', weights={str(local_weights)!r}, workers=2)\n"
+        "print('rows', summary.num_rows)\n")
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**_env(), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.splitlines() == ["rows 2"]
+    warned = [line for line in proc.stderr.splitlines() if GUARD_WARNING in line]
+    assert len(warned) == 1 and "example.py:2: UserWarning: tokenize runs in this process" in warned[0], proc.stderr
+    assert 'if __name__ == "__main__":' in warned[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 def _env() -> dict[str, str]:

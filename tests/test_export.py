@@ -241,16 +241,53 @@ def test_export_writes_a_model_card_from_the_runs_record(tmp_path):
     card = (tmp_path / "hf" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")
     for fact in ("card-run", "2-layer transformer (128 wide, 4 heads, norm scheme `pre`", "1 of 7",
-                 "`work/bach_tokens`", "`work/bach`", "24 tracks, 0.37 h of audio", "weights fitted on the chorales (&lt;urlopen> \\| offline) |",
+                 "`bach_tokens`", "`bach`", "24 tracks, 0.37 h of audio", "local weights (sha256 `abababababababab…`) |",
                  "**9.512 bits** at step 1", "12 segments", "HubertModel.from_pretrained", "pad_for_export",
                  "AdamW, peak lr", "| precision | fp32 |"):
         assert fact in card, fact
-    targets = next(line for line in card.splitlines() if line.startswith("| targets |"))
-    assert targets.replace("\\|", "").count("|") == 3  # the note's own bar does not add a column
     code = card.split("```python\n")[1].split("```")[0].replace("path/to/this/folder", str(tmp_path / "hf"))
     scope = {"wav": torch.zeros(1, 24_000)}
     exec(code, scope)
     assert len(scope["out"].hidden_states) == 3 and scope["out"].hidden_states[-1].shape == (1, 75, 128)
+
+
+def test_model_card_has_the_hubs_metadata_and_no_local_paths_or_errors(tmp_path):
+    """The card's front matter has license (other unless --license names one) and pipeline_tag
+    (feature-extraction); its body names the run, data, source and verification audio by their last
+    component and describes the weights from their identity: no absolute path of this machine, no error text
+    from the weights' note (a failed download's URLError); a licence that is not an identifier is refused."""
+    run = _card_run(tmp_path, evaluated=True)
+    cfg_text = (run / "config.yaml").read_text().replace("work/bach_tokens", str(tmp_path / "work" / "bach_tokens"))
+    (run / "config.yaml").write_text(cfg_text)
+    tokenizer = json.loads((run / "tokenizer.json").read_text())
+    tokenizer.update(source=str(tmp_path / "work" / "bach"), weights_file="encodec_local_seed0.pt",
+                     weights_provenance={"made_by": "musiclm-stab make-weights", "seed": 0},
+                     weights_note=f"local weights because: <urlopen error [Errno -3] name resolution> ({tmp_path})")
+    (run / "tokenizer.json").write_text(json.dumps(tokenizer))
+    evaluated = json.loads((run / "eval" / "step_00000001.json").read_text())
+    (run / "eval" / "step_00000001.json").write_text(json.dumps({**evaluated, "data": str(tmp_path / "work" / "bach_tokens")}))
+    audio = tmp_path / "clip.wav"
+    import soundfile as sf
+
+    sf.write(audio, np.zeros(48_000, dtype=np.float32) + 0.01, 24_000)
+    export(run, tmp_path / "hf", audio=audio, seconds=2)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    front = card.split("---\n")[1].splitlines()
+    assert "license: other" in front and "pipeline_tag: feature-extraction" in front, front
+    assert str(tmp_path) not in card and str(run.resolve()) not in card, card
+    assert "urlopen" not in card and "Errno" not in card, card
+    for fact in ("| data | `bach_tokens`", "| source | `bach`", "`bach_tokens` (12 segments", "clip.wav (first 2.00 s)",
+                 "local weights `encodec_local_seed0.pt` made by `musiclm-stab make-weights` (seed 0)",
+                 "(run directory `run`)", "`musiclm-stab export --license`"):
+        assert fact in card, fact
+    targets = next(line for line in card.splitlines() if line.startswith("| targets |"))
+    assert targets.replace("\\|", "").count("|") == 3
+    export(run, tmp_path / "hf", seconds=2, overwrite=True, license="cc-by-4.0")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "license: cc-by-4.0" in card.split("---\n")[1].splitlines() and "named it `cc-by-4.0`" in card
+    with pytest.raises(ExportError, match="licence identifier"):
+        export(run, tmp_path / "hf2", seconds=2, license="MIT\npipeline_tag: x")
+    assert not (tmp_path / "hf2").exists()
 
 
 def test_model_card_without_an_evaluation_says_where_the_loss_comes_from(tmp_path):

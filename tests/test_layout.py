@@ -30,7 +30,7 @@ FORBIDDEN = ("musiclm_stab.tokenizer", "encodec", "musiclm_stab.export.hubert", 
 # are independent: the tokenizer and the training side, for instance). docs/DESIGN.md draws the same order.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # the constants (the API it names is loaded on first use, not imported: test_package_root_...)
-    ("config", "durable", "host", "threads", "output_errors", "locks", "removal"),
+    ("config", "durable", "host", "threads", "output_errors", "locks", "removal", "spawned"),
     ("audio", "corpus", "model"),
     ("data",),
     ("tokenizer", "training"),

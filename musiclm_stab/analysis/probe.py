@@ -69,6 +69,7 @@ from musiclm_stab.analysis.probe_fit import (
 from musiclm_stab.analysis.runs import run_label
 from musiclm_stab.config import ConfigError
 from musiclm_stab.corpus.labels import GM_FAMILIES, KEY_NAMES
+from musiclm_stab.spawned import workers_for
 from musiclm_stab.threads import one_thread
 from musiclm_stab.training.trained import resolve_checkpoint
 
@@ -213,7 +214,7 @@ def probe_runs(run_dirs: Sequence[str | Path], jobs: int = 1, **kwargs) -> list[
     stands in for them, its clock kept moving while they work, and a line is printed as each run ends."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    if jobs == 1 or len(run_dirs) < 2:
+    if jobs == 1 or len(run_dirs) < 2 or workers_for("the probes", jobs) == 0:  # 0: spawn would rerun the script
         return [probe_run(r, **kwargs) for r in run_dirs]
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait

@@ -6,7 +6,9 @@
 
 Why this exists: the pipeline needs real music to tokenize and pretrain on, and tests and CPU runs need
 it without a network. Scores come from ``music21``'s corpus (``chorales.py``, ``works.py``) and are rendered
-through a General MIDI soundfont (``render.py``); the same seed gives byte-identical audio files.
+through a General MIDI soundfont (``render.py``: the package's own sample player by default, or
+tinysoundfont, the renderer of the corpora made before it); the same seed and renderer give byte-identical
+audio files.
 Licences of the sources are in data/README.md.
 """
 
@@ -34,8 +36,11 @@ from musiclm_stab.corpus.labels import (
     write_track_labels,
 )
 from musiclm_stab.corpus.render import (
+    DEFAULT_RENDERER,
     FORMATS,
+    RENDERERS,
     SOUNDFONT_NAME,
+    MissingPackage,
     num_samples,
     render_track,
     require,
@@ -59,12 +64,16 @@ class CorpusConfig:
     max_seconds: float | None
     version: int = CORPUS_VERSION
     preset: str = "default"
+    renderer: str = "tinysoundfont"  # what a corpus.json without the key was rendered with
 
     def as_dict(self) -> dict:
-        """For corpus.json; the default preset is left out, so corpora built before presets still match."""
+        """For corpus.json; the default preset and the renderer tinysoundfont are left out, so corpora built
+        before presets, or before there was a choice of renderer, still match."""
         d = asdict(self)
         if d["preset"] == "default":
             del d["preset"]
+        if d["renderer"] == "tinysoundfont":
+            del d["renderer"]
         return d
 
 
@@ -190,12 +199,15 @@ def build_corpus(
     overwrite: bool = False,
     progress: bool = True,
     preset: str = "default",
+    renderer: str = DEFAULT_RENDERER,
 ) -> list[Path]:
     """Render the corpus into ``out_dir``; return the audio paths in track order.
 
     ``preset="default"``: ``num_tracks`` (default 24) Bach chorales. ``preset="hours"``: a few hours of
     chorales, string quartets, madrigals, trecento polyphony and fiddle tunes, interleaved, each track
-    cut at ``max_seconds`` (default 180 s); ``num_tracks`` takes the first tracks of it.
+    cut at ``max_seconds`` (default 180 s); ``num_tracks`` takes the first tracks of it. ``renderer``: "sampler"
+    (the package's own, nothing to install) or "tinysoundfont" (the studies' corpora; an optional package):
+    the two sound different, and a corpus records which one made it.
     Writes ``{index:03d}_{name}.{fmt}`` (stereo, 16-bit, ``sample_rate`` Hz; 44.1 kHz by default so
     that the tokenizer's resampling is exercised), ``manifest.jsonl`` (one row per track, with its
     source, instruments and licence), the labels (``labels.jsonl`` and ``labels/{index:03d}_{name}.npz``:
@@ -211,6 +223,8 @@ def build_corpus(
         raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r}: choose one of {sorted(FORMATS)}")
+    if renderer not in RENDERERS:
+        raise ValueError(f"renderer={renderer!r}: choose one of {', '.join(RENDERERS)}")
     total = sum(PRESETS[preset].values())
     num_tracks = total if num_tracks is None else num_tracks
     if num_tracks < 1 or (preset != "default" and num_tracks > total):
@@ -218,7 +232,7 @@ def build_corpus(
                                                                            f"{preset!r}" if preset != "default" else ""))
     max_seconds = PRESET_MAX_SECONDS[preset] if max_seconds is None else max_seconds
     out_dir = Path(out_dir)
-    config = CorpusConfig(num_tracks, seed, sample_rate, fmt, max_seconds, preset=preset)
+    config = CorpusConfig(num_tracks, seed, sample_rate, fmt, max_seconds, preset=preset, renderer=renderer)
     done = _check_out_dir(out_dir, config, overwrite)
     if done is not None:
         if labels_complete(out_dir, [p.name for p in done]):
@@ -226,6 +240,8 @@ def build_corpus(
         else:
             _add_labels(out_dir, config, done, progress)
         return done
+    for package in ("music21", "pretty_midi", *(["tinysoundfont"] if renderer == "tinysoundfont" else [])):
+        require(package)  # before anything is written: one line naming what to install
     out_dir.mkdir(parents=True, exist_ok=True)
 
     meta = {
@@ -234,6 +250,7 @@ def build_corpus(
         "files": [],
         "music21_version": require("music21").__version__,
         "soundfont": SOUNDFONT_NAME,
+        "renderer": renderer,
     }
     (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
     soundfont = soundfont_path().read_bytes()
@@ -246,7 +263,7 @@ def build_corpus(
             break
         index = len(paths)
         t1 = time.perf_counter()
-        audio = render_track(track, sample_rate, max_seconds, soundfont)
+        audio = render_track(track, sample_rate, max_seconds, soundfont, renderer)
         path = out_dir / f"{index:03d}_{track.name}.{fmt}"
         write_audio(path, audio, sample_rate, fmt)
         label_rows.append(write_track_labels(out_dir, path.name, track_labels(track, sample_rate, max_seconds),
@@ -340,6 +357,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-rate", type=int, default=44100)
     parser.add_argument("--format", dest="fmt", choices=sorted(FORMATS), default="flac")
     parser.add_argument("--max-seconds", type=float, default=None, help="cut each track to this length")
+    parser.add_argument("--renderer", choices=RENDERERS, default=DEFAULT_RENDERER,
+                        help="sampler: the package's own SoundFont player (nothing to install); tinysoundfont: "
+                        "the renderer of the studies' corpora (pip install --no-deps tinysoundfont)")
     parser.add_argument("--overwrite", action="store_true", help="replace a different corpus in OUT_DIR")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -355,8 +375,9 @@ def cli_main(argv: list[str] | None = None) -> int:
             max_seconds=args.max_seconds,
             overwrite=args.overwrite,
             preset=args.preset,
+            renderer=args.renderer,
         )
-    except FileExistsError as e:
+    except (FileExistsError, MissingPackage) as e:
         print(f"musiclm-stab build-corpus: {e}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - t0

@@ -1,7 +1,12 @@
 """Rendering building blocks: timed notes for General MIDI instruments -> audio through a soundfont.
 
-``tinysoundfont`` renders notes through TimGM6mb.sf2, the small General MIDI soundfont that ships in
-``pretty_midi``'s wheel, with no system libraries; everything is deterministic (same notes, same bytes).
+Notes are rendered through TimGM6mb.sf2, the small General MIDI soundfont that ships in ``pretty_midi``'s
+wheel, by one of two renderers (``RENDERERS``): ``sampler``, the package's own sample player
+(``sampler.py``: numpy and scipy, nothing to install), the default; or ``tinysoundfont``, the renderer of
+every corpus made before it (the studies' among them: their committed codes are of that audio), an
+optional package installed with ``pip install --no-deps tinysoundfont`` (it declares pyaudio, which only
+plays sound live and needs PortAudio's headers to build). The two sound different; both are deterministic
+(same notes, same bytes), and a corpus records which one made it.
 The score-specific planning lives in ``chorales.py`` (Bach chorales) and ``works.py`` (other collections);
 ``build.py`` assembles a corpus from them.
 """
@@ -9,6 +14,7 @@ The score-specific planning lives in ``chorales.py`` (Bach chorales) and ``works
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import os
 import re
@@ -66,17 +72,24 @@ GM_NAMES = {
 INSTALL_HINT = {
     "music21": "pip install 'musiclm_stab[corpus]'",
     "pretty_midi": "pip install 'musiclm_stab[corpus]'",
-    "tinysoundfont": "pip install --no-deps tinysoundfont  (its pyaudio dependency is only for playback)",
+    "tinysoundfont": "pip install --no-deps tinysoundfont  (its pyaudio dependency is only for playback; or "
+                     "render with the default renderer, sampler)",
 }
+RENDERERS = ("sampler", "tinysoundfont")  # the package's own sample player (the default); the earlier one
+DEFAULT_RENDERER = "sampler"
+
+
+class MissingPackage(ImportError):
+    """An optional package the corpus builder needs is not installed; the message (one line) names the install."""
 
 
 def require(module: str):
-    """Import an optional dependency of the corpus builder, or say how to install it."""
+    """Import an optional dependency of the corpus builder, or raise MissingPackage saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
         package = module.split(".")[0]
-        raise ImportError(
+        raise MissingPackage(
             f"building the corpus needs {package}: {INSTALL_HINT.get(package, f'pip install {package}')}"
         ) from e
 
@@ -153,20 +166,66 @@ def note_samples(seconds: float, sample_rate: int) -> int:
 
 
 def render_track(
-    track: Track, sample_rate: int = 44100, max_seconds: float | None = None, soundfont: bytes | None = None
+    track: Track, sample_rate: int = 44100, max_seconds: float | None = None, soundfont: bytes | None = None,
+    renderer: str = DEFAULT_RENDERER,
 ) -> np.ndarray:
-    """Render a track with tinysoundfont: float32 [S, 2] (stereo), peak normalized to PEAK_DBFS.
+    """Render a track: float32 [S, 2] (stereo), peak normalized to PEAK_DBFS, with ``renderer`` (RENDERERS).
 
-    Notes are switched on and off at exact sample positions (``generate_simple`` between events), so
-    the result does not depend on buffer sizes. A fresh synth per track keeps tracks independent.
+    Notes are switched on and off at exact sample positions, so the result does not depend on buffer sizes;
+    every track starts from silence (a fresh synth), so tracks are independent.
     """
+    if renderer not in RENDERERS:
+        raise ValueError(f"renderer={renderer!r}: choose one of {', '.join(RENDERERS)}")
+    sf2 = soundfont if soundfont is not None else soundfont_path().read_bytes()
+    n_samples = num_samples(track, sample_rate, max_seconds)
+    if renderer == "sampler":
+        audio = _render_sampler(track, sample_rate, n_samples, sf2)
+    else:
+        audio = _render_tinysoundfont(track, sample_rate, n_samples, sf2)
+    if max_seconds is not None and track.seconds > max_seconds:
+        fade = min(n_samples, int(FADE_SECONDS * sample_rate))
+        audio[n_samples - fade :] *= np.linspace(1.0, 0.0, fade, dtype=np.float32)[:, None]
+    peak = float(np.abs(audio).max())
+    if not np.isfinite(peak) or peak < 1e-6:
+        raise RuntimeError(f"{track.source}: rendered audio is silent (peak {peak:.2e})")
+    return audio * np.float32(10 ** (PEAK_DBFS / 20) / peak)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(soundfont: bytes):
+    from musiclm_stab.corpus.soundfont import SoundFont
+
+    return SoundFont(soundfont)
+
+
+def _render_sampler(track: Track, sample_rate: int, n_samples: int, soundfont: bytes) -> np.ndarray:
+    """The package's own sample player (sampler.py): each note's voices added in score order."""
+    from musiclm_stab.corpus.sampler import play
+
+    sf = _parsed(soundfont)
+    left, right = np.zeros(n_samples), np.zeros(n_samples)  # (S,) each: contiguous to add into
+    for voice in track.voices:
+        for t_on, t_off, key, velocity in voice.notes:
+            on = note_samples(t_on, sample_rate)
+            if on >= n_samples:
+                continue
+            held = max(note_samples(t_off, sample_rate) - on, 0)
+            for zone in sf.voices(voice.program, key, velocity):
+                wave, to_left, to_right = play(sf, zone, key, velocity, held, n_samples - on, sample_rate, voice.pan)
+                left[on : on + len(wave)] += wave * to_left
+                right[on : on + len(wave)] += wave * to_right
+    return np.stack([left, right], axis=1).astype(np.float32)  # (S, 2)
+
+
+def _render_tinysoundfont(track: Track, sample_rate: int, n_samples: int, soundfont: bytes) -> np.ndarray:
+    """tinysoundfont (``generate_simple`` between events, at exact sample positions): the renderer of every
+    corpus made before the sample player, kept so that those corpora can be made again byte for byte."""
     synth = require("tinysoundfont").Synth(samplerate=sample_rate)
-    sfid = synth.sfload(soundfont if soundfont is not None else str(soundfont_path()))
+    sfid = synth.sfload(soundfont)
     for channel, voice in enumerate(track.voices):  # at most 8 voices: never channel 9, the GM drum channel
         synth.program_select(channel, sfid, 0, voice.program)
         synth.control_change(channel, 10, voice.pan)
 
-    n_samples = num_samples(track, sample_rate, max_seconds)
     events = []  # (sample, is_on, channel, key, velocity): note-offs sort before note-ons at a sample
     for channel, voice in enumerate(track.voices):
         for t_on, t_off, key, velocity in voice.notes:
@@ -190,14 +249,7 @@ def render_track(
             synth.noteoff(channel, key)
     if pos < n_samples:
         synth.generate_simple(n_samples - pos, buffer=buffer[pos * frame_bytes :])
-
-    if max_seconds is not None and track.seconds > max_seconds:
-        fade = min(n_samples, int(FADE_SECONDS * sample_rate))
-        audio[n_samples - fade :] *= np.linspace(1.0, 0.0, fade, dtype=np.float32)[:, None]
-    peak = float(np.abs(audio).max())
-    if not np.isfinite(peak) or peak < 1e-6:
-        raise RuntimeError(f"{track.source}: rendered audio is silent (peak {peak:.2e})")
-    return audio * np.float32(10 ** (PEAK_DBFS / 20) / peak)
+    return audio
 
 
 def write_audio(path: Path, audio: np.ndarray, sample_rate: int, fmt: str) -> None:

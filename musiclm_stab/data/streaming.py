@@ -81,6 +81,9 @@ class ArrowFile:
             self.map.madvise(mmap.MADV_WILLNEED, start, offset + view.nbytes - start)
 
 
+# Private parts of datasets (pyproject.toml bounds datasets below 5.3 for them): no public API gives the files
+# behind a stream (IterableDataset._ex_iterable.kwargs) or builds a stream of arrow tables sharded and shuffled
+# as load_dataset("arrow", streaming=True) shards and shuffles its files (ArrowExamplesIterable).
 OPEN_FILES = 32  # memory-mapped files a loader worker keeps open (the stream interleaves at most 10)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from musiclm_stab.config import PACKAGED_RECIPES, Config, ConfigError, config_from_run
+from musiclm_stab.corpus.render import DEFAULT_RENDERER
 
 # The recipes and the training entry point ship inside the package (config.PACKAGED_RECIPES: package data), so
 # the jobs find them in an installed wheel too. A checkout has one more name for that folder, the symlink
@@ -24,6 +25,9 @@ _CHECKOUT_LINK = PACKAGED_RECIPES.parent.parent / "recipes"
 RECIPES = _CHECKOUT_LINK if _CHECKOUT_LINK.resolve() == PACKAGED_RECIPES else PACKAGED_RECIPES
 PRETRAIN = RECIPES / "pretrain.py"
 DEFAULT_NUM_TRACKS = 24
+# The studies' and the sweep's corpora: their committed codes (data/study_cpu_codes.npz.xz) and results are of
+# the audio tinysoundfont rendered, and local weights are fitted on that audio.
+STUDY_RENDERER = "tinysoundfont"
 
 
 def banner(text: str) -> None:
@@ -34,8 +38,9 @@ def banner(text: str) -> None:
 # The default data
 
 
-def ensure_weights(corpus_dir: Path, work: Path) -> tuple[str | None, str | None]:
-    """(weights file or None for the pretrained model, note for the data's metadata)."""
+def ensure_weights(corpus_dir: Path, work: Path, name: str = "encodec_local_seed0.pt") -> tuple[str | None, str | None]:
+    """(weights file or None for the pretrained model, note for the data's metadata); local weights are
+    ``work/name``, fitted on ``corpus_dir`` when missing."""
     from musiclm_stab.tokenizer.fit import make_local_weights
     from musiclm_stab.tokenizer.weights import WeightsUnavailable, load_encodec
 
@@ -45,7 +50,7 @@ def ensure_weights(corpus_dir: Path, work: Path) -> tuple[str | None, str | None
         return None, None
     except WeightsUnavailable as e:
         reason = str(e).splitlines()[0]
-    local = work / "encodec_local_seed0.pt"
+    local = work / name
     note = ("local weights made by `musiclm-stab make-weights` (random encoder, codebooks fitted by seeded "
             f"k-means on the default corpus) because the pretrained model could not be had: {reason}")
     print("*" * 78)
@@ -77,34 +82,43 @@ def ensure_tokens(corpus_dir: Path, out: Path, weights: str | None, note: str | 
     return out
 
 
-def data_name(num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default") -> str:
+def _suffix(renderer: str) -> str:
+    """The corpora of the renderer tinysoundfont keep the names they had before there was a choice."""
+    return "" if renderer == "tinysoundfont" else f"_{renderer}"
+
+
+def data_name(num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default",
+              renderer: str = DEFAULT_RENDERER) -> str:
     """The corpus folder's name under ``work``: ``default_corpus`` (the default 24 chorales),
-    ``chorales{n}`` (another number of chorales) or ``{preset}{n}`` (the first n tracks of a preset);
-    its tokens are in ``{name}_tokens``."""
+    ``chorales{n}`` (another number of chorales) or ``{preset}{n}`` (the first n tracks of a preset), then
+    ``_sampler`` when the package's own renderer made it (tinysoundfont's corpora, the studies', keep the
+    plain names); its tokens are in ``{name}_tokens``."""
     if preset != "default":
-        return f"{preset}{num_tracks}"
-    return "default_corpus" if num_tracks == DEFAULT_NUM_TRACKS else f"chorales{num_tracks}"
+        return f"{preset}{num_tracks}{_suffix(renderer)}"
+    return ("default_corpus" if num_tracks == DEFAULT_NUM_TRACKS else f"chorales{num_tracks}") + _suffix(renderer)
 
 
-def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default") -> Path:
-    """A corpus (``num_tracks`` Bach chorales, or the first ``num_tracks`` of ``preset``), its EnCodec
-    weights and its tokens under ``work``, each made only when missing; returns the tokenized folder
-    (``{data_name(...)}_tokens``). The weights are fitted on the 24-track default corpus's first 600 s
-    whatever the corpus, so every corpus shares them."""
+def default_data(work: str | Path, num_tracks: int = DEFAULT_NUM_TRACKS, preset: str = "default",
+                 renderer: str = DEFAULT_RENDERER) -> Path:
+    """A corpus (``num_tracks`` Bach chorales, or the first ``num_tracks`` of ``preset``, rendered with
+    ``renderer``), its EnCodec weights and its tokens under ``work``, each made only when missing; returns the
+    tokenized folder (``{data_name(...)}_tokens``). The weights are fitted on the 24-track default corpus's
+    first 600 s (of the same renderer) whatever the corpus, so every corpus of a renderer shares them. The
+    studies and the sweep use STUDY_RENDERER: their committed codes and results are of its audio."""
     from musiclm_stab.corpus.build import build_corpus
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    name = data_name(num_tracks, preset)
+    name = data_name(num_tracks, preset, renderer)
     what = f"{num_tracks} Bach chorales" if preset == "default" else f"the first {num_tracks} tracks of the {preset} preset"
-    banner(f"data 1/3: corpus ({what} rendered with a General MIDI soundfont)")
+    banner(f"data 1/3: corpus ({what} rendered with a General MIDI soundfont by {renderer})")
     corpus_dir = work / name
-    build_corpus(corpus_dir, num_tracks=num_tracks, seed=0, preset=preset)
+    build_corpus(corpus_dir, num_tracks=num_tracks, seed=0, preset=preset, renderer=renderer)
     banner("data 2/3: EnCodec weights")
-    weights_corpus = work / "default_corpus"
-    if name != "default_corpus":  # the same weights as the default corpus's: its first 24 tracks
-        build_corpus(weights_corpus, num_tracks=DEFAULT_NUM_TRACKS, seed=0)
-    weights, note = ensure_weights(weights_corpus, work)
+    weights_corpus = work / data_name(DEFAULT_NUM_TRACKS, "default", renderer)
+    if name != weights_corpus.name:  # the same weights as the default corpus's: its first 24 tracks
+        build_corpus(weights_corpus, num_tracks=DEFAULT_NUM_TRACKS, seed=0, renderer=renderer)
+    weights, note = ensure_weights(weights_corpus, work, f"encodec_local_seed0{_suffix(renderer)}.pt")
     banner("data 3/3: tokenize")
     return ensure_tokens(corpus_dir, work / f"{name}_tokens", weights, note)
 

@@ -49,7 +49,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", dest="extra",
                    help="further settings of the run (e.g. data.batch_size=2 train.mixed_precision=bf16)")
     p.add_argument("--data-only", action="store_true",
-                   help="stop after tokenizing (the data the benchmarks and the study use)")
+                   help="stop after tokenizing (the data `make bench` uses; the studies make their own, "
+                   "rendered by tinysoundfont)")
     args = p.parse_args(argv)
     if args.data and args.data_only:
         p.error("--data-only makes the default data; --data names data that exists: not both")

@@ -50,6 +50,7 @@ import yaml
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.experiments.launch import (
+    STUDY_RENDERER,
     accelerate_executable,
     add_job_options,
     data_name,
@@ -564,8 +565,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     data = args.data
     if data is None and args.scale != "full":
         preset, tracks = STUDY_DATA[args.scale]
-        data = str(default_data(args.work, tracks, preset) if not args.print_only else
-                   Path(args.work) / f"{data_name(tracks, preset)}_tokens")
+        data = str(default_data(args.work, tracks, preset, STUDY_RENDERER) if not args.print_only else
+                   Path(args.work) / f"{data_name(tracks, preset, STUDY_RENDERER)}_tokens")
     if args.codes:
         from musiclm_stab.data.codes_file import describe, restore_codes
 

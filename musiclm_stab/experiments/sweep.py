@@ -38,7 +38,13 @@ from musiclm_stab.analysis.sweep_report import (
     write_outputs,
 )
 from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
-from musiclm_stab.experiments.launch import add_job_options, as_overrides, default_data, run_state
+from musiclm_stab.experiments.launch import (
+    STUDY_RENDERER,
+    add_job_options,
+    as_overrides,
+    default_data,
+    run_state,
+)
 
 DEFAULT_RECIPE = "tiny"  # a packaged recipe, by name (config.recipe_file)
 # Defaults: the sweep of docs/STUDY.md (~18 min of training on 2 shared cores, bf16 given by --set there).
@@ -110,7 +116,10 @@ def sweep_config(
 
 
 def train_in_process(cfg: Config, resume: bool = False) -> Path:
-    """Train one run here, with a fresh accelerate state (accelerate keeps one per process)."""
+    """Train one run here, with a fresh accelerate state (accelerate keeps one per process).
+
+    ``_reset_state`` is private: accelerate has no public way to drop its process-wide state (its own tests
+    call this), so pyproject.toml bounds accelerate below the first release not tested (1.17)."""
     from accelerate.state import AcceleratorState, GradientState
 
     from musiclm_stab.training.trainer import Trainer
@@ -252,7 +261,7 @@ def _sweep_main(args: argparse.Namespace) -> int:
     t0 = time.time()
     data = args.data
     if data is None:
-        data = str(default_data(args.work))
+        data = str(default_data(args.work, renderer=STUDY_RENDERER))  # the corpus of the sweep's documented results
     try:
         results = run_sweep(
             args.schemes, args.lrs, args.steps, args.out, args.recipe, data, args.extra, args.last

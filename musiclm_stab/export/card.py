@@ -5,6 +5,14 @@ precision), its ``tokenizer.json`` (the data and the EnCodec weights its codes c
 checkpoint's step, the held-out codebook-0 loss of that step when the run was evaluated (``eval/step_N.json``
 from ``musiclm-stab evaluate``, else the ``eval/`` columns of metrics.jsonl from ``train.eval_every``), and
 the export's own verification. What the record does not hold, the card says it does not know.
+
+The card travels with the weights to other machines and to the Hub, so it names files and folders by their
+last component (a run ``tiny``, data ``default_corpus_tokens``), never by this machine's absolute paths, and
+carries no error text: the EnCodec weights are described from their recorded identity and provenance, not
+from the free-text note, which may hold why a download failed. Its front matter is the Hub's model card
+metadata: ``library_name``, ``license`` (the export's ``license``; ``other`` unless given: the weights'
+licence is that of their training data, which the run does not record), ``pipeline_tag``
+(``feature-extraction``: hidden states of audio) and tags.
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ from musiclm_stab.config import Config
 from musiclm_stab.export.exported import PAD_SAMPLES
 
 CB0 = "eval/acoustic_mlm_loss/cb0"
+PIPELINE_TAG = "feature-extraction"  # the Hub's task for a model whose output is features (hidden states)
+UNKNOWN_LICENSE = "other"  # the Hub's value for a licence not in its list: here, whatever the data's is
+
+
+def _name(path: Any) -> str:
+    """A recorded path as the card shows it: its last component (a folder's or file's name), never the
+    machine's absolute path."""
+    text = str(path)
+    return Path(text).name or text
 
 
 def _cell(text: Any) -> str:
@@ -34,7 +51,7 @@ def held_out_cb0(run_dir: Path, step: int | None, unit: str) -> str:
             e = json.loads(evaluated.read_text())
             if CB0 in e:
                 return (f"**{e[CB0]:.3f} {e.get('unit', unit)}** at step {step}, on the {e.get('split', 'eval')} split "
-                        f"of `{e.get('data')}` ({e.get('num_segments')} segments, {e.get('masked_frames')} masked frames; "
+                        f"of `{_name(e.get('data'))}` ({e.get('num_segments')} segments, {e.get('masked_frames')} masked frames; "
                         f"`musiclm-stab evaluate`, {evaluated.relative_to(run_dir)})")
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
@@ -52,26 +69,37 @@ def held_out_cb0(run_dir: Path, step: int | None, unit: str) -> str:
 
 def _data(cfg: Config, tokenizer: dict[str, Any] | None) -> list[str]:
     paths = cfg.data.path if isinstance(cfg.data.path, list) else [cfg.data.path]
-    rows = [f"| data | {', '.join(f'`{_cell(p)}`' for p in paths)} (held-out fraction {cfg.data.eval_fraction:g}, "
+    rows = [f"| data | {', '.join(f'`{_cell(_name(p))}`' for p in paths)} (held-out fraction {cfg.data.eval_fraction:g}, "
             "by track) |"]
     if not tokenizer:
         return [*rows, "| tokenizer | not recorded in the run directory |"]
     hours = tokenizer.get("total_seconds")
     size = (f"{tokenizer.get('num_tracks')} tracks, {hours / 3600:.2f} h of audio" if isinstance(hours, (int, float))
             else "size not recorded")
-    rows.append(f"| source | `{_cell(tokenizer.get('source'))}` ({tokenizer.get('source_kind', 'source')}; {size}) |")
-    weights = tokenizer.get("weights")
-    note = tokenizer.get("weights_note")
+    rows.append(f"| source | `{_cell(_name(tokenizer.get('source')))}` ({tokenizer.get('source_kind', 'source')}; {size}) |")
     rows.append(f"| targets | EnCodec codes (`{tokenizer.get('model')}`), {tokenizer.get('num_codebooks')} codebooks of "
                 f"{tokenizer.get('codebook_size', CODEBOOK_SIZE)} at {tokenizer.get('frame_rate', FRAME_RATE)} Hz; "
-                f"weights {weights} (sha256 `{str(tokenizer.get('weights_sha256'))[:16]}…`)"
-                + (f": {_cell(note)}" if note else "") + " |")
+                f"{_cell(_weights(tokenizer))} (sha256 `{str(tokenizer.get('weights_sha256'))[:16]}…`) |")
     return rows
 
 
+def _weights(tokenizer: dict[str, Any]) -> str:
+    """The EnCodec weights the codes came from, from their recorded identity (not the free-text note)."""
+    if tokenizer.get("weights") == "pretrained":
+        return "the pretrained EnCodec 24 kHz weights"
+    file = tokenizer.get("weights_file")
+    prov = tokenizer.get("weights_provenance")
+    named = f"local weights `{_name(file)}`" if file else "local weights"
+    if isinstance(prov, dict):
+        return (f"{named} made by `{prov.get('made_by')}` (seed {prov.get('seed')}): a random encoder with fitted "
+                "codebooks, not the pretrained EnCodec model")
+    return named
+
+
 def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str, Any] | None,
-               verification: dict[str, Any], num_parameters: int) -> str:
-    """The README.md of an export of ``run_dir`` at ``step`` (``cfg``: the run's resolved config)."""
+               verification: dict[str, Any], num_parameters: int, license: str | None = None) -> str:
+    """The README.md of an export of ``run_dir`` at ``step`` (``cfg``: the run's resolved config); ``license``:
+    the Hub's identifier for the weights' licence (``other`` when None)."""
     m, d, o, t = cfg.model.resolved(), cfg.data, cfg.optim, cfg.train
     precision = {"no": "fp32", "bf16": "bf16 autocast"}.get(t.mixed_precision, f"fp16 ({t.fp16_mode}'s arithmetic)")
     accum = f"{t.grad_accum} micro-batch{'es' if t.grad_accum > 1 else ''}"
@@ -79,6 +107,8 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
     lines = [
         "---",
         "library_name: transformers",
+        f"license: {license or UNKNOWN_LICENSE}",
+        f"pipeline_tag: {PIPELINE_TAG}",
         "tags: [audio, music, feature-extraction, hubert, mert, musiclm_stab]",
         "---",
         "",
@@ -90,7 +120,7 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
         f"{num_parameters / 1e6:.2f}M parameters), trained to predict the EnCodec codes and the constant-Q "
         "spectrum of masked frames (MERT's objective). Exported as a plain `HubertModel` (no remote code) and "
         f"verified layer by layer against the original: largest |difference| {worst:.1e} over every hidden "
-        f"state on {verification['audio']}.",
+        f"state on {_cell(verification['audio'])}.",
         "",
         "## How to load it",
         "",
@@ -112,7 +142,7 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
         "",
         "| | |",
         "|---|---|",
-        f"| run | `{_cell(t.name)}` (`{_cell(run_dir)}`) |",
+        f"| run | `{_cell(t.name)}` (run directory `{_cell(_name(run_dir))}`) |",
         f"| steps | {step if step is not None else 'unknown'} of {t.max_steps} (optimizer updates) |",
         *_data(cfg, tokenizer),
         f"| batches | {d.batch_size} crops of {d.crop_seconds:g} s per process and micro-batch, {accum} per update |",
@@ -131,7 +161,9 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
         "## Limits",
         "",
         "What this model learned is what its data holds: the card names the data but cannot judge it. The "
-        "weights' licence is that of their training data, which the run does not record.",
+        "weights' licence is that of their training data, which the run does not record"
+        + (f"; the exporter named it `{license}`." if license else
+           ": the front matter says `license: other` until the exporter names it (`musiclm-stab export --license`)."),
         "",
     ]
     return "\n".join(lines)

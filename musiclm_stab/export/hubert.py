@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,13 +330,20 @@ def export(
     overwrite: bool = False,
     atol: float = ATOL,
     rtol: float = RTOL,
+    license: str | None = None,
 ) -> ExportResult:
     """Export the checkpoint at ``path`` (run dir: newest checkpoint) to ``out_dir``, verified.
+
+    ``license``: the Hub's identifier of the weights' licence for the model card (``mit``, ``cc-by-4.0``, ...;
+    ``other`` when None: it is that of the training data, which the run does not record).
 
     Raises ExportError when the model cannot be expressed exactly (nothing is written), when the
     written model disagrees with ours beyond tolerance (it is left in ``<out_dir>.unverified``), or when
     transformers is not installed (the ``export`` extra).
     """
+    if license is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.+_-]*", license):
+        raise ExportError(f"license {license!r} is not a licence identifier as the Hub writes them (mit, apache-2.0, "
+                          "cc-by-4.0, other)")
     require_transformers()
     from transformers import HubertModel, Wav2Vec2FeatureExtractor
     from transformers import __version__ as transformers_version
@@ -353,7 +361,7 @@ def export(
 
         wav = load_audio(audio)
         wav = wav[: int(seconds * SAMPLE_RATE) // HOP_LENGTH * HOP_LENGTH]
-        audio_note = f"{audio} (first {wav.numel() / SAMPLE_RATE:.2f} s)"
+        audio_note = f"{Path(audio).name} (first {wav.numel() / SAMPLE_RATE:.2f} s)"  # no local path in the card
     else:
         wav, audio_note = verification_audio(seconds)
     if wav.numel() < HOP_LENGTH:
@@ -448,7 +456,7 @@ def export(
     tokenizer = run_dir / "tokenizer.json"
     card = model_card(config_from_run(run_dir), run_dir.resolve(), step,
                       json.loads(tokenizer.read_text()) if tokenizer.is_file() else None,
-                      sidecar["verification"], sum(p.numel() for p in loaded.parameters()))
+                      sidecar["verification"], sum(p.numel() for p in loaded.parameters()), license)
     (partial / CARD).write_text(card)
     _replace_export(partial, out_dir, path)
     return ExportResult(out_dir, verification, str(ckpt))
@@ -502,10 +510,12 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--atol", type=float, default=ATOL)
     p.add_argument("--rtol", type=float, default=RTOL)
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds an earlier export")
+    p.add_argument("--license", help="the weights' licence for the model card, as the Hub names it (mit, "
+                   "cc-by-4.0, ...; default: other, since it is the training data's)")
     args = p.parse_args(argv)
     try:
         result = export(
-            args.path, args.out_dir, args.audio, args.seconds, args.overwrite, args.atol, args.rtol
+            args.path, args.out_dir, args.audio, args.seconds, args.overwrite, args.atol, args.rtol, args.license
         )
     except (ExportError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

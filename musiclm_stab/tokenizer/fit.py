@@ -24,6 +24,7 @@ from musiclm_stab import CODEBOOK_SIZE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, list_audio_files, load_audio, open_audio
 from musiclm_stab.data.tokenized import codebook_usage as usage_from_counts
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
+from musiclm_stab.spawned import workers_for
 from musiclm_stab.tokenizer.kmeans import exact_grid, held_out_residual, kmeans, snap
 from musiclm_stab.tokenizer.weights import BANDWIDTH, _sidecar, model_info, seeded_random_model
 
@@ -181,6 +182,7 @@ def make_local_weights(
     if workers is None:  # a process pays a few seconds to start: worth it from a few chunks per core on
         workers = min(os.cpu_count() or 1, len(slots) // 4)
         workers = workers if workers > 1 else 0
+    workers = workers_for("make-weights' encoder", workers)  # 0 when spawned workers would rerun the script
     frames, used_samples, audio_sha256 = _encoder_frames(seed, srcs, slots, chunk, skipped, workers, progress)
     model = seeded_random_model(seed)
     if not frames:

@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.data.tokenized import IDENTITY_KEYS, METADATA_FILE, STATE_DIR, job_units
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
+from musiclm_stab.spawned import workers_for
 from musiclm_stab.threads import one_thread
 from musiclm_stab.tokenizer.encode import full_fp32
 from musiclm_stab.tokenizer.lock import output_lock
@@ -224,7 +225,8 @@ def tokenize(
     ``silence``: "skip" (tracks, and segments, whose peak is below ``silence_db`` dBFS are left out,
     tracks reported as failures of kind "silent") or "keep". ``workers``: encoder processes (0: this
     process; None: on CPU one per core, at most one per unit to do; on GPU 0); workers are spawned
-    processes, so a script calling this must do it under ``if __name__ == "__main__":``.
+    processes, which import the calling script again: a script that calls this outside
+    ``if __name__ == "__main__":`` gets one warning and the work done in this process (musiclm_stab.spawned).
     ``part_mb`` and ``part_tracks`` size the work units (source MB / tracks per unit); ``part_mb=None``
     sizes them from the source: 1/64 of its bytes, within 4-64 MB, so that small corpora still
     split into enough units to keep every worker busy. A lossless file longer than two
@@ -346,6 +348,7 @@ def tokenize(
             workers = 0 if device != "cpu" or (refs is not None and not work) else (os.cpu_count() or 1)
         if refs is not None:
             workers = min(workers, len(work))
+        workers = workers_for("tokenize", workers)  # 0 when spawned workers would run the caller's script again
         if workers > 0:  # each worker loads its own: this process keeps none
             del model
             model = None
