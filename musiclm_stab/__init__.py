@@ -8,23 +8,23 @@ The main verbs are importable from here (musiclm_stab/api.py; reference: docs/AP
     ms.evaluate(run)["eval/acoustic_mlm_loss/cb0"]
     ms.features("song.wav", ms.load_encoder(run), layers=[2]).layers[2]
 
-They are loaded on first use (PEP 562), so ``import musiclm_stab`` imports neither torch nor any submodule:
-the constants below are what every part of the package imports from here.
+They are loaded on first use (PEP 562), so ``import musiclm_stab`` imports neither torch nor any submodule
+but ``constants`` (the shared numbers, which every part of the package imports from there, never from here).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# The one place the version is written: pyproject.toml reads it (dynamic version), CHANGELOG.md has an entry
-# for each release. Data formats carry their own versions (tokenizer.json, checkpoints, exports).
-__version__ = "0.2.0"
-
-SAMPLE_RATE = 24_000  # EnCodec 24 kHz; every waveform in the pipeline is mono at this rate
-HOP_LENGTH = 320  # samples per frame: EnCodec's hop and the conv frontend's total stride
-FRAME_RATE = SAMPLE_RATE // HOP_LENGTH  # 75 Hz
-NUM_CODEBOOKS = 8  # EnCodec 24 kHz at 6 kbps
-CODEBOOK_SIZE = 1024
+# The shared numbers and the version live on the ground floor (constants.py); the face re-exports them.
+from musiclm_stab.constants import (
+    CODEBOOK_SIZE,
+    FRAME_RATE,
+    HOP_LENGTH,
+    NUM_CODEBOOKS,
+    SAMPLE_RATE,
+    __version__,
+)
 
 __all__ = ["CODEBOOK_SIZE", "FRAME_RATE", "HOP_LENGTH", "NUM_CODEBOOKS", "SAMPLE_RATE", "__version__",
            # the verbs (musiclm_stab.api.__all__)

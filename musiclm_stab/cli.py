@@ -10,7 +10,7 @@ import os
 import select
 import sys
 
-from musiclm_stab import __version__
+from musiclm_stab.constants import __version__
 
 # subcommand -> (module, one-line help, reference page). Each module exposes ``cli_main(argv) -> int``, and its
 # parser's --help ends with "Reference: <the same page>" (tests/test_docs.py keeps the two in step).

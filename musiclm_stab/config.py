@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 
 NORM_SCHEMES = ("pre", "post", "deepnorm", "sandwich", "subln")
 ATTENTION_FORMS = ("sdpa", "math", "relax")

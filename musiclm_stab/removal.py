@@ -46,7 +46,7 @@ import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from musiclm_stab import __version__
+from musiclm_stab.constants import __version__
 
 MARKER = ".musiclm-stab-output"  # an output folder's marker: {"kind": ..., "made_by": ...}
 KINDS = {  # the outputs a marker may name, as a refusal describes them

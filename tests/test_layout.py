@@ -25,11 +25,13 @@ READ_SIDE = ["musiclm_stab.training.trainer", "musiclm_stab.analysis.evaluate", 
 FORBIDDEN = ("musiclm_stab.tokenizer", "encodec", "musiclm_stab.export.hubert", "transformers")
 
 # The package's layers, lowest first, by component (the folder under musiclm_stab/, or a top-level module's
-# name; "" is musiclm_stab/__init__.py, the constants every part imports). A module imports modules of its
-# own component and of components in lower layers: never a layer above, nor a peer of its own layer (peers
-# are independent: the tokenizer and the training side, for instance). docs/DESIGN.md draws the same order.
+# name; "" is musiclm_stab/__init__.py, the package's face). A module imports modules of its own component and
+# of components in lower layers: never a layer above, nor a peer of its own layer (peers are independent: the
+# tokenizer and the training side, for instance). The face sits on top: it re-exports the constants and hands on
+# the API (loaded on first use, not imported), and nothing inside the package imports it. docs/DESIGN.md draws
+# the same order.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("",),  # the constants (the API it names is loaded on first use, not imported: test_package_root_...)
+    ("constants",),  # the numbers every part shares, and the version
     ("config", "durable", "host", "threads", "output_errors", "locks", "removal", "spawned"),
     ("audio", "corpus", "model"),
     ("data",),
@@ -39,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("experiments",),  # jobs made of the parts: quickstart, the study, the sweep
     ("api", "cli", "reference", "recipes"),  # entry points: the Python API, the command line (and its pages),
     # recipes/pretrain.py
-    ("__main__",),  # python -m musiclm_stab: the command line
+    ("__main__", ""),  # python -m musiclm_stab: the command line; the package's face
 )
 
 
@@ -157,3 +159,10 @@ def test_package_holds_no_test_hooks():
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         assert "MUSICLM_STAB_TEST" not in text and "CPU_FAST_DROPOUT" not in text, path
+
+
+def test_nothing_inside_the_package_imports_its_face():
+    """No module of the package imports ``musiclm_stab`` itself (its __init__, the face that re-exports the
+    constants and hands on the API): every part takes its constants from musiclm_stab/constants.py."""
+    graph = _graph()
+    assert [m for m, deps in sorted(graph.items()) if "musiclm_stab" in deps] == []

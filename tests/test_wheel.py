@@ -1,5 +1,5 @@
 """The built wheel is the package a researcher installs: it carries its recipes, its training entry point,
-its reference pages, its licence, its type marker and the version written in musiclm_stab/__init__.py, and
+its reference pages, its licence, its type marker and the version written in musiclm_stab/constants.py, and
 from a fresh venv outside the checkout its commands run as the README and docs/TRAINING.md print them:
 --version, --help, `train` (its settings, --print-config, a short run by recipe name), `python -m
 musiclm_stab`, `docs`, and the main job.

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torchaudio.transforms
 
-from musiclm_stab import SAMPLE_RATE
 from musiclm_stab.audio.reader import AudioError, AudioReader, AudioWarning, array_reader, open_audio
+from musiclm_stab.constants import SAMPLE_RATE
 
 # Float peaks up to 2.0 are kept as they are: lossy decoders overshoot 1.0 on loud masters. Above it the
 # scale is wrong (PCM stored as unscaled float, a gain bug upstream), and EnCodec expects [-1, 1].

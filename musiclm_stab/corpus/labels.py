@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from musiclm_stab import FRAME_RATE
+from musiclm_stab.constants import FRAME_RATE
 from musiclm_stab.corpus.render import Track, note_samples, num_samples, require
 
 log = logging.getLogger(__name__)

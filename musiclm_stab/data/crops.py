@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH
 
 
 def example_key(text: str) -> int:

@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets.iterable_dataset import ArrowExamplesIterable
 from torch.utils.data import IterableDataset, get_worker_info
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH
 from musiclm_stab.data.crops import crop_item, crop_start, eval_tracks, example_key
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from musiclm_stab import CODEBOOK_SIZE
+from musiclm_stab.constants import CODEBOOK_SIZE
 
 FEATURES = datasets.Features(
     {

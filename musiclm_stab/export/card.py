@@ -22,8 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from musiclm_stab import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, SAMPLE_RATE, __version__
 from musiclm_stab.config import Config
+from musiclm_stab.constants import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, SAMPLE_RATE, __version__
 from musiclm_stab.export.exported import PAD_SAMPLES
 
 CB0 = "eval/acoustic_mlm_loss/cb0"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.constants import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.model.cqt import CQT
 from musiclm_stab.model.frontend import PAD
 from musiclm_stab.model.heads import AcousticHeads, MusicalHead

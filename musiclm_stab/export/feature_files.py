@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.export.features import (
     DEFAULT_CHUNK_SECONDS,
     FeatureModel,

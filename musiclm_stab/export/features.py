@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.export.exported import PAD_SAMPLES, SIDECAR
 from musiclm_stab.host import default_device
 from musiclm_stab.training.trained import load_checkpoint

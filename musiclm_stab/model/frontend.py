@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from musiclm_stab import HOP_LENGTH
+from musiclm_stab.constants import HOP_LENGTH
 from musiclm_stab.model.fp16_arith import fp32
 
 CONV_LAYERS = [(10, 5)] + [(3, 2)] * 4 + [(2, 2)] * 2  # (kernel, stride): total stride 5 * 2^6 = 320

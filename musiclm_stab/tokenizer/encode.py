@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from musiclm_stab import HOP_LENGTH, NUM_CODEBOOKS
+from musiclm_stab.constants import HOP_LENGTH, NUM_CODEBOOKS
 
 if TYPE_CHECKING:
     from encodec import EncodecModel

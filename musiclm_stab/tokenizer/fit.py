@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from musiclm_stab import CODEBOOK_SIZE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, list_audio_files, load_audio, open_audio
+from musiclm_stab.constants import CODEBOOK_SIZE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.data.tokenized import codebook_usage as usage_from_counts
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 from musiclm_stab.spawned import workers_for

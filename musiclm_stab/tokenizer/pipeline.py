@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
+from musiclm_stab.constants import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.data.tokenized import IDENTITY_KEYS, METADATA_FILE, STATE_DIR, job_units
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 from musiclm_stab.spawned import workers_for

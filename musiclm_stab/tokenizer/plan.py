@@ -13,9 +13,9 @@ import hashlib
 
 import soundfile as sf
 
-from musiclm_stab import SAMPLE_RATE
 from musiclm_stab.audio.reader import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from musiclm_stab.audio.stream import AudioStats
+from musiclm_stab.constants import SAMPLE_RATE
 from musiclm_stab.tokenizer.sources import TrackRef
 
 # Formats libsndfile decodes exactly from any frame it seeks to (a piece of a long track starts mid-file).

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from musiclm_stab import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.audio.reader import AudioError
+from musiclm_stab.constants import HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.tokenizer.sources import TrackRef
 
 SILENCE_POLICIES = ("skip", "keep")

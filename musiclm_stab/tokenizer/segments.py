@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import musiclm_stab.audio.reader as audio_mod
-from musiclm_stab import HOP_LENGTH
 from musiclm_stab.audio import AudioError, AudioReader, AudioStats, StreamResampler, resampled_blocks, scan
+from musiclm_stab.constants import HOP_LENGTH
 from musiclm_stab.tokenizer.policy import UnitSettings
 
 

@@ -52,7 +52,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from musiclm_stab import SAMPLE_RATE, __version__
+from musiclm_stab.constants import SAMPLE_RATE, __version__
 from musiclm_stab.data.tokenized import (
     FAILURES_FILE,
     FEATURES,

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from datasets.arrow_writer import ArrowWriter
 
-from musiclm_stab import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.audio import AudioError, AudioReader, resampled_blocks, scan
+from musiclm_stab.constants import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE
 from musiclm_stab.data.tokenized import FEATURES
 from musiclm_stab.durable import fsync_dir
 from musiclm_stab.output_errors import OutputWriteError, writing

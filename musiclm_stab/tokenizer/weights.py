@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from musiclm_stab import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
+from musiclm_stab.constants import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, NUM_CODEBOOKS, SAMPLE_RATE
 
 if TYPE_CHECKING:
     from encodec import EncodecModel

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from musiclm_stab import FRAME_RATE, HOP_LENGTH
 from musiclm_stab.config import Config, ConfigError
+from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH
 
 GIB = 2**30
 
