@@ -20,7 +20,7 @@ from musiclm_stab.data.tokenized import (
     warn_mixed_devices,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
-from musiclm_stab.tokenizer.lock import output_lock
+from musiclm_stab.tokenizer.lock import check_not_busy, output_lock
 from musiclm_stab.tokenizer.store import (
     DEVICE_KEY,
     OutputDir,
@@ -83,6 +83,7 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
                   {"bytes": r.get("bytes"), "sha256": r.get("sha256"), "rows": r["num_rows"]})
                  for (j, k), r in records.items() if j == i and r["file"]]
         check_parts(d.out, parts, info, where="its unit record")
+    check_not_busy(out)
     check_output_folder(out)
     with output_lock(out):
         target = OutputDir.prepare(out, merged, overwrite=False)

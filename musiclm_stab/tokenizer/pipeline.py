@@ -59,7 +59,7 @@ from musiclm_stab.data.tokenized import IDENTITY_KEYS, METADATA_FILE, STATE_DIR,
 from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writing
 from musiclm_stab.threads import one_thread
 from musiclm_stab.tokenizer.encode import full_fp32
-from musiclm_stab.tokenizer.lock import output_lock
+from musiclm_stab.tokenizer.lock import check_not_busy, output_lock
 from musiclm_stab.tokenizer.plan import PIECE_SECONDS, names_sha256, plan_units, split_long_tracks
 from musiclm_stab.tokenizer.policy import SILENCE_POLICIES, UnitSettings
 from musiclm_stab.tokenizer.segments import Piece
@@ -253,7 +253,8 @@ def tokenize(
     if refs is not None and not refs:
         raise TokenizeError(f"no audio found in {src}")
     check_folder_path(out_dir)  # before loading anything: a file in the way, or a folder that is not ours,
-    with writing(out_dir, "read the output folder"):  # is refused at once
+    with writing(out_dir, "read the output folder"):  # is refused at once, as is a folder another writer holds
+        check_not_busy(out_dir)
         check_output_folder(out_dir)
 
     model, info = _encoder(weights)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
 from musiclm_stab.durable import fsync_dir, fsync_file
-from musiclm_stab.locks import Held, ProcessLock
+from musiclm_stab.locks import WRITERS, Held, writer_lock
 
-LOCK_FILE = ".train.lock"
+LOCK_FILE = WRITERS["train"]
 
 
 class RunBusy(ConfigError):
@@ -45,10 +45,16 @@ def _os_error(run_dir: Path, error: OSError, doing: str) -> ConfigError:
                        + (f" ({error.filename})" if error.filename and str(error.filename) != str(run_dir) else ""))
 
 
+class RunLockLost(RunBusy):
+    """This trainer's lock file was deleted or replaced while it trained: another trainer may hold the new one."""
+
+
 class RunLock:
     """The exclusive lock of one run directory (module docstring; musiclm_stab/locks.py), taken at
-    construction: RunBusy if another process (or another RunLock of this process) holds it, ConfigError if
-    the directory cannot be made. ``release`` (or the process's exit) frees it."""
+    construction: RunBusy if another process (or another RunLock of this process) holds it, or a tokenizer
+    is writing into the same folder; ConfigError if the directory cannot be made. ``check`` (before every
+    write) stops a trainer whose lock file was deleted or replaced; ``release`` (or the process's exit)
+    frees it."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -58,12 +64,13 @@ class RunLock:
         except OSError as e:
             raise _os_error(self.run_dir, e, "create the run directory") from None
         try:
-            self.lock = ProcessLock(path)
+            self.lock = writer_lock(self.run_dir, "train")
         except Held as e:
+            doing = "trained" if e.path == path else "written"  # a tokenizer's output being written there
             if e.this_process:
-                raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder} (this process)") from None
-            raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder}; wait for it to finish "
-                          f"or stop it (its lock, {path}, is released when that process exits), or choose "
+                raise RunBusy(f"run directory {self.run_dir} is being {doing} by {e.holder} (this process)") from None
+            raise RunBusy(f"run directory {self.run_dir} is being {doing} by {e.holder}; wait for it to finish "
+                          f"or stop it (its lock, {e.path}, is released when that process exits), or choose "
                           "another --train.name") from None
         except OSError as e:
             raise _os_error(self.run_dir, e, "lock") from None
@@ -71,6 +78,19 @@ class RunLock:
             self.lock.write_holder()
         except OSError:  # only the refusal message of another trainer reads it ("another process")
             pass
+
+    def check(self, doing: str) -> None:
+        """RunLockLost if the lock file was deleted or replaced since it was taken: another trainer may have
+        locked the new file and be writing the run, so this one must write nothing more (``doing``: what it
+        was about to write)."""
+        lost = self.lock.lost()
+        if lost is not None:
+            raise RunLockLost(
+                f"the lock of run directory {self.run_dir} ({self.lock.path}) was {lost} while this trainer "
+                f"held it, so another trainer may be writing the run now: stopped before {doing}, without "
+                "writing anything more. A lock file is never to be deleted: it is released when its process "
+                "exits, however that process ends. Once no other trainer runs in the directory, resume with "
+                "the same command and --resume.")
 
     def release(self) -> None:
         self.lock.release()
@@ -104,14 +124,17 @@ def lock_run_dir(accelerator, run_dir: Path) -> RunLock | None:
 class MetricsWriter:
     """Appends one JSON row per logged step to metrics.jsonl (main process only). A row that cannot be
     written whole (a full disk) is taken back, so the file never holds a partial line, and the run stops
-    with MetricsWriteError."""
+    with MetricsWriteError. ``lock``, the run's: checked before every row (``RunLock.check``), so that a
+    trainer whose lock was taken from it adds no row beside another's."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, lock: RunLock | None = None):
+        self.path, self.enabled, self.lock = path, enabled, lock
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
+        if self.lock is not None:
+            self.lock.check(f"the metrics row of step {row.get('step')}")
         line = (json.dumps(row) + "\n").encode()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)

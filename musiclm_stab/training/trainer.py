@@ -41,6 +41,7 @@ from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
     MetricsWriteError,
     MetricsWriter,
+    RunBusy,
     check_run_dir,
     global_batch,
     global_batch_crops,
@@ -74,6 +75,11 @@ class Trainer:
         except BaseException:
             self.release_run_dir()
             raise
+
+    def check_run_lock(self, doing: str) -> None:
+        """Stop, on every process, if the run directory's lock file was deleted or replaced (run_dir.RunLock.check:
+        another trainer may be writing the run): called before each metrics row and checkpoint. Collective."""
+        on_main(self.accelerator, lambda: self.run_lock.check(doing))
 
     def release_run_dir(self) -> None:
         """Let another trainer have the run directory: at the end of ``run``, or when the start failed."""
@@ -330,7 +336,7 @@ class Trainer:
         acc.init_trackers(PROJECT, config=flat_config(cfg.to_dict()),
                           init_kwargs={"wandb": {"name": tcfg.name, "dir": str(self.run_dir)},
                                        "mlflow": {"run_name": tcfg.name}})
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process, self.run_lock)
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
                   f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, "
@@ -345,9 +351,12 @@ class Trainer:
         stop = StopSignal()
         try:
             self._loop(last_step, stop, bar, writer)
+            if self.checkpoints.pending is not None:
+                self.check_run_lock(f"publishing checkpoint {self.checkpoints.pending.step}")
             self.checkpoints.wait()  # the last checkpoint is complete before the run ends
         except BaseException as error:
-            self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
+            if not isinstance(error, RunBusy):  # the run's lock was taken from it: it publishes nothing more
+                self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
             self.release_run_dir()
             raise
         finally:
@@ -365,6 +374,8 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}  # metrics summed over the steps since the last row, on the device
         interval, diag = new_interval(), {}
         while self.step < last_step:
+            if self.checkpoints.pending is not None:
+                self.check_run_lock(f"publishing checkpoint {self.checkpoints.pending.step}")
             self.checkpoints.poll()  # publish a background checkpoint write that has finished; never waits
             if stop.requested(acc):
                 ckpt = self.save_checkpoint()  # the step's own checkpoint if it has one: not written again
@@ -396,6 +407,7 @@ class Trainer:
                 row = self.metrics_row(sums, interval, diag)
                 if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps):
                     row.update(self.evaluate_held_out())  # after the row's clock: not in audio_s_per_s
+                self.check_run_lock(f"the metrics row of step {self.step}")  # every process stops together
                 writer.write(row)
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
@@ -411,6 +423,7 @@ class Trainer:
                 self.save_checkpoint()
 
     def save_checkpoint(self) -> Path:
+        self.check_run_lock(f"checkpoint {self.step}")
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
                  "config": self.cfg.to_dict(), **self.data_identity}
         return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every,
