@@ -183,8 +183,9 @@ class ProcessLock:
         os.pwrite(self.fd, json.dumps(holder).encode(), 0)
 
     def lost(self) -> str | None:
-        """Why this lock no longer excludes another writer: its file was ``"deleted"`` or ``"replaced by
-        another file"`` (the next writer locks the file now at the path); None while it is the file locked.
+        """Why this lock no longer excludes another writer: its file was ``"deleted"``, or ``"deleted or
+        replaced"`` (another file is at the path now, which the next writer locks, or has locked: a new lock
+        file of a writer that found none); None while it is the file locked.
         A path that cannot be looked at for another reason (EACCES, EIO) is not taken for a lost lock."""
         try:
             here = os.stat(self.path)
@@ -192,7 +193,7 @@ class ProcessLock:
             return "deleted"
         except OSError:
             return None
-        return None if _key(here) == self.key else "replaced by another file"
+        return None if _key(here) == self.key else "deleted or replaced"
 
     def release(self) -> None:
         with _GUARD:  # closed before the key is freed: a new lock of the file cannot open it in between

@@ -174,7 +174,7 @@ def test_a_lock_knows_when_its_file_was_deleted_or_replaced(tmp_path, how):
         else:
             (tmp_path / "new").write_text("{}")
             os.replace(tmp_path / "new", tmp_path / ".lock")
-            assert lock.lost() == "replaced by another file"
+            assert lock.lost() == "deleted or replaced"
         assert try_in_another_process("file", tmp_path / ".lock") == "locked"  # the bypass lost() reveals
     finally:
         lock.release()

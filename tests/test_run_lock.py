@@ -217,3 +217,37 @@ def test_a_trainer_is_refused_a_folder_a_tokenizer_is_writing_touching_nothing(t
     finally:
         holder.kill()
         holder.communicate()
+
+
+def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_order(tokenized_dataset, tmp_path):
+    """The lock bypassed as the issue did it: trainer A is held after update 4 (rows 1-3 written, checkpoint 2
+    published), its lock file is deleted, and a `--resume` B locks a new one and trains to step 6. Let go, A
+    stops before its next write with exit 2 and one line saying its lock was deleted and why that stops it,
+    writing no row or checkpoint more: the metrics are A's rows 1-3, then B's from its checkpoint on (before: A
+    went on beside B, steps interleaved, and died on B's checkpoints with a misleading message)."""
+    from musiclm_stab.analysis.runs import read_run
+
+    run_dir, marker = tmp_path / "r", tmp_path / "held"
+    a = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", env={"TRAIN_FAULT": f"hold:4:{marker}"})
+    try:
+        wait_for_file(a, marker)
+        assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+        (run_dir / LOCK_FILE).unlink()  # "a stale lock file"
+        finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
+        after_b = (run_dir / "metrics.jsonl").read_bytes()
+        published = sorted(c.name for c in checkpoint.list_checkpoints(run_dir))
+        marker.unlink()  # A goes on
+        out, _ = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            kill(a)
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert a.returncode == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert errors[0].startswith(f"error: the lock of run directory {run_dir} ({run_dir / LOCK_FILE}) was deleted "
+                                "or replaced while this trainer held it, so another trainer may be writing the run now: "
+                                "stopped before the metrics row of step 4, without writing anything more."), errors
+    assert (run_dir / "metrics.jsonl").read_bytes() == after_b
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 3, 4, 5, 6]
+    assert sorted(c.name for c in checkpoint.list_checkpoints(run_dir)) == published
+    assert published[-1] == "step_00000006"
+    assert list(read_run(run_dir).series["loss"][0]) == list(range(1, 7))

@@ -42,6 +42,7 @@ from musiclm_stab.training.run_dir import (
     MetricsWriteError,
     MetricsWriter,
     RunBusy,
+    RunLockLost,
     check_run_dir,
     global_batch,
     global_batch_crops,
@@ -80,6 +81,18 @@ class Trainer:
         """Stop, on every process, if the run directory's lock file was deleted or replaced (run_dir.RunLock.check:
         another trainer may be writing the run): called before each metrics row and checkpoint. Collective."""
         on_main(self.accelerator, lambda: self.run_lock.check(doing))
+
+    def lost_run_lock(self, error: BaseException) -> RunLockLost | None:
+        """The RunLockLost to report instead of ``error`` (an exception that ended the loop) when the run's lock
+        file was deleted or replaced meanwhile: then another trainer may have caused ``error`` (e.g. by
+        removing a checkpoint write in progress as a crash's), and the lost lock is what to say (main process)."""
+        if self.run_lock is None or isinstance(error, RunBusy) or not isinstance(error, Exception):
+            return None
+        try:
+            self.run_lock.check(f"going on after {type(error).__name__}: {error}")
+        except RunLockLost as lost:
+            return lost
+        return None
 
     def release_run_dir(self) -> None:
         """Let another trainer have the run directory: at the end of ``run``, or when the start failed."""
@@ -157,6 +170,7 @@ class Trainer:
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
         self.checkpoints = CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
+        self.checkpoints.before_publish = lambda step: self.check_run_lock(f"publishing checkpoint {step}")
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         if resume:
@@ -351,13 +365,14 @@ class Trainer:
         stop = StopSignal()
         try:
             self._loop(last_step, stop, bar, writer)
-            if self.checkpoints.pending is not None:
-                self.check_run_lock(f"publishing checkpoint {self.checkpoints.pending.step}")
             self.checkpoints.wait()  # the last checkpoint is complete before the run ends
         except BaseException as error:
-            if not isinstance(error, RunBusy):  # the run's lock was taken from it: it publishes nothing more
+            lost = self.lost_run_lock(error)
+            if lost is None and not isinstance(error, RunBusy):  # RunBusy: the run's lock was taken from it
                 self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
             self.release_run_dir()
+            if lost is not None:  # what went wrong follows from that (another trainer removed a partial write...)
+                raise lost from error
             raise
         finally:
             bar.close()
@@ -374,8 +389,6 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}  # metrics summed over the steps since the last row, on the device
         interval, diag = new_interval(), {}
         while self.step < last_step:
-            if self.checkpoints.pending is not None:
-                self.check_run_lock(f"publishing checkpoint {self.checkpoints.pending.step}")
             self.checkpoints.poll()  # publish a background checkpoint write that has finished; never waits
             if stop.requested(acc):
                 ckpt = self.save_checkpoint()  # the step's own checkpoint if it has one: not written again
