@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -187,6 +188,30 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
         old_tok = run_dir / "tokenizer.json"
         if old_tok.exists():
             check_same_tokenizer(read_run_json(old_tok), tokenizer_info, f"run {run_dir}", f"data {cfg.data.path}")
+
+
+def _data_paths(data: str | Path | list | None) -> list[str]:
+    """A data.path (one folder or several) as the list of its folders, resolved."""
+    return [str(Path(p).resolve()) for p in (data if isinstance(data, list) else [data]) if p is not None]
+
+
+def same_data(a: str | Path | list | None, b: str | Path | list | None) -> bool:
+    """Whether two data.path values (as given, or as an evaluation record names them) are the same folders."""
+    return bool(_data_paths(a)) and _data_paths(a) == _data_paths(b)
+
+
+def eval_record(run_dir: Path, step: int, split: str, data: str | Path | list, run_data: str | Path | list) -> Path:
+    """Where ``musiclm-stab evaluate`` keeps its result of ``split`` of ``data`` at ``step``, so that no
+    evaluation replaces another's: ``eval/step_N.json`` for the held-out split of the run's own data
+    (``run_data``: what the model card reads, and the only name earlier versions wrote, for any split),
+    ``eval/step_N.<split>.json`` for another split of it, ``eval/step_N.<split>.data-<8 hex>.json`` for other
+    data (a hash of its resolved folders)."""
+    name = f"step_{step:08d}"
+    if not same_data(data, run_data):
+        name += f".{split}.data-{hashlib.sha256(json.dumps(_data_paths(data)).encode()).hexdigest()[:8]}"
+    elif split != "eval":
+        name += f".{split}"
+    return Path(run_dir) / "eval" / f"{name}.json"
 
 
 def read_run_json(path: Path) -> dict:
