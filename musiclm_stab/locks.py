@@ -75,7 +75,7 @@ def _held_here(path: Path) -> Held | None:
     """Held (this process) if this process holds the file at ``path``; looked up without opening it."""
     try:
         key = _key(os.stat(path))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock file there (nor a folder)
         return None
     return Held(_HELD[key], True, path) if key in _HELD else None
 
@@ -98,7 +98,7 @@ def _probe(path: Path) -> Held | None:
         return held
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     held = _opened(fd, path)
     if held is not None:

@@ -162,12 +162,18 @@ def test_codes_out_of_range_are_refused(copy, value):
     """A part holding a code outside [0, 1024), even one whose tokenizer.json records its hash (a shard from
     elsewhere), is refused naming the file, the row and the code (before: an IndexError from the loss)."""
     _set_code(copy / PART, 3, value)
+    _refused_with_its_hashes(copy, f"code {value}", "row 3")
+
+
+def _refused_with_its_hashes(copy: Path, *says: str) -> None:
+    """The changed part of ``copy``, its hashes recorded as they now are, is refused at load (also streaming)
+    in one line naming it and saying ``says``."""
     _rehash(copy)
     for streaming in (False, True):
         with pytest.raises(ValueError) as e:
             load_tokenized(copy, streaming=streaming)
         text = _one_line(e)
-        assert str(copy / PART) in text and f"code {value}" in text and "row 3" in text, text
+        assert all(part in text for part in (str(copy / PART), *says)), text
 
 
 @pytest.mark.parametrize("value, shown", [(2.4e24, "2.4e+24"), (float("nan"), "nan"), (float("-inf"), "-inf"),
@@ -177,12 +183,7 @@ def test_pcm_that_no_tokenizer_writes_is_refused(copy, value, shown):
     hashes recorded (forged, or a shard from elsewhere), is refused naming the file, the row and the value
     (before: it trained on 2.4e24)."""
     _set_pcm(copy / PART, 3, value)
-    _rehash(copy)
-    for streaming in (False, True):
-        with pytest.raises(ValueError) as e:
-            load_tokenized(copy, streaming=streaming)
-        text = _one_line(e)
-        assert str(copy / PART) in text and f"audio sample {shown} in its row 3" in text, text
+    _refused_with_its_hashes(copy, f"audio sample {shown} in its row 3")
 
 
 def test_pcm_limit_is_above_what_the_tokenizer_can_write():

@@ -257,20 +257,29 @@ def test_review_cases_manifests_rows_and_the_output_guard(tmp_path, local_weight
     assert load_tokenized(tmp_path / "out_killed")[0]["track"] == ["x.wav"]
 
 
-def test_a_killed_merge_is_finished_by_running_it_again(tmp_path, local_weights, make_music, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, local_weights, make_music):
+    """4 tracks of 0.7 s tokenized once whole and once as 2 shards (one track per unit): (single, shards)."""
+    root = tmp_path_factory.mktemp("sharded")
+    src = root / "src"
+    src.mkdir()
+    for i in range(4):
+        sf.write(src / f"t{i}.wav", make_music(0.7, seed=70 + i), SR)
+    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
+    tokenize(src, root / "single", **kw)
+    shards = [root / f"shard{i}" for i in range(2)]
+    for i, out in enumerate(shards):
+        tokenize(src, out, shard=f"{i}/2", **kw)
+    return root / "single", shards
+
+
+def test_a_killed_merge_is_finished_by_running_it_again(sharded, tmp_path, local_weights, monkeypatch, capsys):
     """A merge that dies after copying two units, and one that dies before writing tokenizer.json, are both
     finished by running the same `--merge` again, with the single run's rows; a finished merge run again
     changes nothing; a folder holding another tokenization's unit is refused and left as it was."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(4):
-        sf.write(src / f"t{i}.wav", make_music(0.7, seed=90 + i), SR)
-    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
-    tokenize(src, tmp_path / "single", **kw)
-    shards = [tmp_path / f"shard{i}" for i in range(2)]
-    for i, out in enumerate(shards):
-        tokenize(src, out, shard=f"{i}/2", **kw)
-    single, _ = load_tokenized(tmp_path / "single")
+    single_dir, shards = sharded
+    src, kw = single_dir.parent / "src", dict(weights=str(local_weights), part_tracks=1, **KW)
+    single, _ = load_tokenized(single_dir)
     merge_cmd = ["--merge", str(tmp_path / "merged"), *map(str, shards)]
 
     real_commit, calls = OutputDir.commit, []
@@ -304,22 +313,6 @@ def test_a_killed_merge_is_finished_by_running_it_again(tmp_path, local_weights,
     assert cli_main(["--merge", str(other), *map(str, shards)]) == 1
     assert "already holds unit 0" in capsys.readouterr().err
     assert not (other / "tokenizer.json").exists()
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory, local_weights, make_music):
-    """4 tracks of 0.7 s tokenized once whole and once as 2 shards (one track per unit): (single, shards)."""
-    root = tmp_path_factory.mktemp("sharded")
-    src = root / "src"
-    src.mkdir()
-    for i in range(4):
-        sf.write(src / f"t{i}.wav", make_music(0.7, seed=70 + i), SR)
-    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
-    tokenize(src, root / "single", **kw)
-    shards = [root / f"shard{i}" for i in range(2)]
-    for i, out in enumerate(shards):
-        tokenize(src, out, shard=f"{i}/2", **kw)
-    return root / "single", shards
 
 
 def test_a_full_disk_while_merging_is_one_line_and_the_rerun_finishes(sharded, tmp_path, monkeypatch, capsys):

@@ -207,8 +207,9 @@ class OutputDir:
                     device = (" (one output is tokenized on one device type; to use another, tokenize into "
                               "another folder: shards made on different devices can be loaded or merged "
                               "together)") if any(line.startswith(f"  {DEVICE_KEY}:") for line in diffs) else ""
-                    listing = ("\nThe source's file list has changed since; if inputs that failed (a folder that "
-                               "could not be read) can be read now, rerun with --retry-failures to add them."
+                    listing = ("\nThe source's file list has changed since. If the only change is that inputs "
+                               "that failed (a folder that could not be read) can be read now, rerun with "
+                               "--retry-failures to add their files."
                                ) if any(line.startswith("  plan.names_sha256:") for line in diffs) else ""
                     raise OutputMismatch(
                         f"{d.out} holds {'a' if what == 'finished' else 'an'} {what} tokenization made with other settings, so the two cannot be "

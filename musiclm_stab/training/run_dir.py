@@ -116,6 +116,12 @@ def on_main(accelerator, action, *args):
     return result
 
 
+def check_run_lock(accelerator, lock: RunLock | None, doing: str) -> None:
+    """``lock.check(doing)`` on the main process (which holds the run's lock; ``lock`` is None elsewhere), its
+    RunLockLost raised on every process as RunBusy (a collective: every process stops together)."""
+    on_main(accelerator, lambda: lock.check(doing))
+
+
 def lock_run_dir(accelerator, run_dir: Path) -> RunLock | None:
     """The run directory's lock, taken by the main process (None on the others); every process raises the
     same RunBusy (or ConfigError) when it could not be taken."""

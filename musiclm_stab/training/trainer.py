@@ -44,6 +44,7 @@ from musiclm_stab.training.run_dir import (
     RunBusy,
     RunLockLost,
     check_run_dir,
+    check_run_lock,
     global_batch,
     global_batch_crops,
     lock_run_dir,
@@ -80,7 +81,7 @@ class Trainer:
     def check_run_lock(self, doing: str) -> None:
         """Stop, on every process, if the run directory's lock file was deleted or replaced (run_dir.RunLock.check:
         another trainer may be writing the run): called before each metrics row and checkpoint. Collective."""
-        on_main(self.accelerator, lambda: self.run_lock.check(doing))
+        check_run_lock(self.accelerator, self.run_lock, doing)
 
     def lost_run_lock(self, error: BaseException) -> RunLockLost | None:
         """The RunLockLost to report instead of ``error`` (an exception that ended the loop) when the run's lock
@@ -170,7 +171,9 @@ class Trainer:
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
         self.checkpoints = CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
-        self.checkpoints.before_publish = lambda step: self.check_run_lock(f"publishing checkpoint {step}")
+        # (through the lock, not the trainer: a reference from the writer back to the trainer would keep it, and
+        # the data loader's worker processes with it, alive past the end of the run)
+        self.checkpoints.before_publish = functools.partial(_before_publish, accelerator, self.run_lock)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         if resume:
@@ -461,6 +464,10 @@ class Trainer:
         if diag:
             row.update({k: float(v) for k, v in diag.items()})
         return row
+
+
+def _before_publish(accelerator, lock, step: int) -> None:
+    check_run_lock(accelerator, lock, f"publishing checkpoint {step}")
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
