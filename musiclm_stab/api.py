@@ -132,7 +132,8 @@ def evaluate(run: PathLike, data: PathLike | None = None, split: str = "eval", d
     """Held-out loss per codebook of a run (its newest checkpoint) or a checkpoint directory
     (``musiclm-stab evaluate``): ``{"eval/acoustic_mlm_loss/cb0": ..., "step": ..., "unit": ...}``.
     ``device``: CUDA when there is one, unless given (as the command and the other verbs). Deterministic on
-    one device; written to RUN/eval/step_N.json unless ``write`` is False."""
+    one device; written unless ``write`` is False to RUN/eval/step_N.json (the held-out split of the run's own
+    data), or to a record of its own for another split or data (step_N.train.json, ...)."""
     from musiclm_stab.analysis.evaluate import evaluate as _evaluate
 
     return _evaluate(run, data=data, split=split, device=device, write=write)

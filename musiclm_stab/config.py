@@ -21,6 +21,7 @@ line wins over the size's. ``load_config`` returns the resolved config, and the 
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 import reprlib
@@ -757,9 +758,9 @@ def read_settings_file(path: str | Path) -> Any:
         raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the text
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
-                          "cannot be decoded") from None
+    except UnicodeDecodeError as e:  # e.start counts from after the mark: the offset named is the file's
+        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[at]:02x} at offset {at} cannot be decoded") from None
     try:
         return yaml.load(text, Loader=_SettingsLoader)
     except yaml.YAMLError as e:
@@ -801,14 +802,16 @@ def recipe_file(name: str | Path, accelerate: bool = False) -> Path:
                       f"{', '.join(recipe_names(accelerate))})")
 
 
-def load_config(path: str | Path | list[str | Path] | tuple | None = None, overrides: list[str] | None = None
-                ) -> Config:
+def load_config(path: str | Path | list[str | Path] | tuple | None = None, overrides: list[str] | None = None,
+                recorded: bool = False) -> Config:
     """Read a recipe YAML, or several layered in order (a recipe, then overlays such as
     recipes/overlays/tiny.yaml: a later file sets what it names, the rest stays), apply ``section.key=value``
     overrides, validate, and fill in the per-size values (``Config.resolved``). A recipe is a file or the
     name of a packaged one (``recipe_file``: ``tiny``, ``overlays/tiny``).
 
-    Raises ConfigError naming the offending setting and the valid choices.
+    Raises ConfigError naming the offending setting and the valid choices. ``recorded``: the file is a run's
+    own record (``config_from_run``), read as the run had it: checks that concern starting a run
+    (``check_schedule``, added after runs were made that it refuses) are left out.
     """
     cfg = Config()
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
@@ -830,7 +833,19 @@ def load_config(path: str | Path | list[str | Path] | tuple | None = None, overr
             raise ConfigError(f"override {_show(item)} must look like section.key=value")
         key, value = item.split("=", 1)
         _set(cfg, key, value)  # raw text: _coerce converts it by the field's type ("no" stays a string)
-    return cfg.validate().resolved()
+    cfg.validate()
+    if not recorded:
+        check_schedule(cfg)
+    return cfg.resolved()
+
+
+def check_schedule(cfg: Config) -> None:
+    """Refuse a warmup longer than the run (``optim.warmup_steps`` > ``train.max_steps``): the lr would never
+    reach ``optim.lr``, and the decay after the warmup would never start."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.max_steps
+    if warmup is not None and warmup > steps:
+        raise ConfigError(f"optim.warmup_steps={warmup} is longer than the run, train.max_steps={steps}: at most "
+                          f"{steps} (or null: optim.warmup_share of the run)")
 
 
 def config_yaml(cfg: Config, comment: str = "") -> str:
@@ -857,4 +872,4 @@ def config_from_run(run_dir: str | Path) -> Config:
     missing = [f"{section}.{key}={value}" for section, values in SETTINGS_BEFORE_THEY_EXISTED.items()
                for key, value in values.items()
                if isinstance(saved.get(section), dict) and key not in saved[section]]
-    return load_config(path, missing)
+    return load_config(path, missing, recorded=True)

@@ -11,14 +11,23 @@ run with one line naming the path and the reason; the caller adds what was kept 
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 # The reasons whose remedy is more space (a full disk, or a quota).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# The reasons only a write fails with (a read never does): wherever such an error happens in a job that reads
+# its inputs and writes an output, it is the output's (``stops_on_write_errors``).
+WRITE_ONLY = (*NO_SPACE, errno.EFBIG, errno.EROFS)
+# An error that is no OSError but names one: safetensors' SafetensorError ("... (os error 28)").
+OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
 
 
 class OutputWriteError(RuntimeError):
@@ -87,6 +96,42 @@ def check_folder_path(path: str | Path, what: str = "create the output folder") 
     if blocker is not None:
         raise OutputWriteError(f"cannot {what} {path}: {blocker} is a file, not a folder", str(path),
                                errno.ENOTDIR)
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """``e`` as an OSError: itself, or the OS error its text names (``OS_ERROR_IN_TEXT``); None for neither."""
+    if isinstance(e, OSError):
+        return e
+    named = OS_ERROR_IN_TEXT.search(str(e))
+    if named is None:
+        return None
+    code = int(named.group(1))
+    return OSError(code, os.strerror(code))
+
+
+def stops_on_write_errors(out: str, then: Callable[[OutputWriteError, Path], str], what: str = "write"):
+    """Decorator of a job that writes an output: an error only a write raises (``WRITE_ONLY``: a full disk,
+    a quota, a file size limit, a read-only file system), as an OSError or named in another error's text,
+    anywhere in the call, becomes an OutputWriteError of one line: what could not be done (``what``) to which
+    file (the error's, else the output), why, and ``then(error, output)``: what was kept and what to do.
+    ``out``: the name of the parameter that holds the output's path. Other errors pass through as they are."""
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            output = Path(signature.bind(*args, **kwargs).arguments[out])
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - only write errors are turned into one line, the rest re-raised
+                error = e if isinstance(e, OutputWriteError) else os_error_of(e)
+                if error is None or error.errno not in WRITE_ONLY:
+                    raise
+                if not isinstance(error, OutputWriteError):
+                    error = as_output_error(error, output, what)
+                raise OutputWriteError(f"{error}. {then(error, output)}", error.path, error.errno) from None
+        return wrapper
+    return decorate
 
 
 @contextmanager

@@ -70,7 +70,8 @@ def test_make_config_takes_recipe_names_paths_and_settings(tmp_path):
     """Packaged recipe names (layered in order), YAML paths, settings as a mapping or strings; an unknown
     recipe or a bad setting is a ConfigError naming it."""
     cfg = musiclm_stab.make_config(["study_prenorm_clip1_run2", "overlays/tiny"],
-                                   {"train.max_steps": 5, "data.crop_seconds": 2.0, "train.trackers": [],
+                                   {"train.max_steps": 5, "optim.warmup_steps": 1, "data.crop_seconds": 2.0,
+                                    "train.trackers": [],
                                     "train.spike_guard": True}, data=["a", "b"])
     assert (cfg.model.size, cfg.optim.clip_grad, cfg.train.max_steps) == ("tiny", 1.0, 5)
     assert (cfg.data.path, cfg.data.crop_seconds, cfg.train.trackers, cfg.train.spike_guard) == (["a", "b"], 2.0, [], True)

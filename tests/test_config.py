@@ -71,6 +71,9 @@ BAD_SETTINGS = [
     ("--data.mixup_mode=loud", "data.mixup_mode='loud' is not valid; choose one of: mert, rms"),
     ("--train.loss_unit=dB", "train.loss_unit='dB' is not valid; choose one of: bits, nats"),
     ("--optim.warmup_share=1", "optim.warmup_share must be in [0, 1), got 1.0"),
+    ("--optim.warmup_steps=30 --train.max_steps=20", "optim.warmup_steps=30 is longer than the run, "
+                                                     "train.max_steps=20: at most 20 (or null: optim.warmup_share "
+                                                     "of the run)"),
     ("--train.eval_every=3 --train.log_every=2", "train.eval_every=3 must be 0 (off) or a multiple of train.log_every=2"),
     ("--train.eval_batches=-1", "train.eval_batches must be >= 0 (0 = all), got -1"),
     ("--train.trackers=[tb]", "train.trackers='tb' is not valid; choose one of: all, tensorboard"),
@@ -374,3 +377,17 @@ def test_recipes_by_name_from_any_folder(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"config file tinny does not exist, and no packaged one has that name "
                                           r"\(packaged: overlays/instability_cpu, .*, tiny\)"):
         load_config("tinny")
+
+
+def test_a_run_recorded_with_a_warmup_longer_than_itself_is_still_read(tmp_path):
+    """A run an earlier version trained with optim.warmup_steps > train.max_steps (its config.yaml records both)
+    is read back as it is, for evaluate, export and the plots; only a new run (or a resume) with them is
+    refused."""
+    cfg = load_config(None, ["--optim.warmup_steps=2", "--train.max_steps=2"])
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text().replace("warmup_steps: 2", "warmup_steps: 20")
+    (tmp_path / "config.yaml").write_text(text)
+    back = config_from_run(tmp_path)
+    assert (back.optim.warmup_steps, back.train.max_steps) == (20, 2)
+    with pytest.raises(ConfigError, match="optim.warmup_steps=20 is longer than the run"):
+        load_config(tmp_path / "config.yaml")

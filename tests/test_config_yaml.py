@@ -24,6 +24,9 @@ BAD_FILES = {
     "python_tag": (b"train:\n  name: !!python/object/apply:os.system ['echo ran']\n",
                    "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
     "not_utf8": (b"train:\n  name: caf\xe9\n", "not UTF-8 text: byte 0xe9 at offset 18 cannot be decoded"),
+    # the offset in the file, byte-order mark included (before: 18, counted after the mark)
+    "not_utf8_after_a_bom": (b"\xef\xbb\xbftrain:\n  name: caf\xe9\n",
+                             "not UTF-8 text: byte 0xe9 at offset 21 cannot be decoded"),
     "duplicate_key": (b"optim:\n  lr: 1.0e-3\n  lr: 1.0e-2\n", "line 3, column 3: found duplicate key 'lr' "
                                                               "(first on line 2)"),
     "duplicate_section": (b"optim:\n  lr: 1.0e-3\noptim:\n  eps: 1.0e-8\n", "line 3, column 1: found duplicate "

@@ -103,6 +103,17 @@ def _set_code(part: Path, row: int, value: int) -> None:
         writer.write_table(table)
 
 
+def _set_pcm(part: Path, row: int, value: float) -> None:
+    """Rewrite a part file with sample 5 of ``row``'s pcm set to ``value``."""
+    table = pa.ipc.open_stream(pa.py_buffer(part.read_bytes())).read_all()  # not mapped: rewritten below
+    col = table.schema.get_field_index("pcm")
+    pcm = table.column(col).to_pylist()
+    pcm[row][5] = value
+    table = table.set_column(col, table.schema.field(col), pa.array(pcm, type=table.schema.field(col).type))
+    with pa.OSFile(str(part), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
 def _one_line(e: pytest.ExceptionInfo) -> str:
     text = str(e.value)
     assert "\n" not in text, text
@@ -151,12 +162,43 @@ def test_codes_out_of_range_are_refused(copy, value):
     """A part holding a code outside [0, 1024), even one whose tokenizer.json records its hash (a shard from
     elsewhere), is refused naming the file, the row and the code (before: an IndexError from the loss)."""
     _set_code(copy / PART, 3, value)
+    _refused_with_its_hashes(copy, f"code {value}", "row 3")
+
+
+def _refused_with_its_hashes(copy: Path, *says: str) -> None:
+    """The changed part of ``copy``, its hashes recorded as they now are, is refused at load (also streaming)
+    in one line naming it and saying ``says``."""
     _rehash(copy)
     for streaming in (False, True):
         with pytest.raises(ValueError) as e:
             load_tokenized(copy, streaming=streaming)
         text = _one_line(e)
-        assert str(copy / PART) in text and f"code {value}" in text and "row 3" in text, text
+        assert all(part in text for part in (str(copy / PART), *says)), text
+
+
+@pytest.mark.parametrize("value, shown", [(2.4e24, "2.4e+24"), (float("nan"), "nan"), (float("-inf"), "-inf"),
+                                          (-7.5, "-7.5")])
+def test_pcm_that_no_tokenizer_writes_is_refused(copy, value, shown):
+    """A part whose audio holds a value no tokenizer writes (not finite, or beyond PCM_LIMIT), even with its
+    hashes recorded (forged, or a shard from elsewhere), is refused naming the file, the row and the value
+    (before: it trained on 2.4e24)."""
+    _set_pcm(copy / PART, 3, value)
+    _refused_with_its_hashes(copy, f"audio sample {shown} in its row 3")
+
+
+def test_pcm_limit_is_above_what_the_tokenizer_can_write():
+    """PCM_LIMIT leaves room for what the tokenizer keeps: float audio up to MAX_PEAK unscaled, resampled to
+    24 kHz from any common rate, whose filter can overshoot by the sum of its |taps| (its worst case)."""
+    import torch
+    import torchaudio
+
+    from musiclm_stab.audio import MAX_PEAK
+    from musiclm_stab.data.tokenized import PCM_LIMIT
+
+    for rate in (8000, 11025, 16000, 22050, 32000, 44100, 48000, 88200, 96000, 192000):
+        kernel = torchaudio.transforms.Resample(rate, 24_000, dtype=torch.float64).kernel  # (phases, 1, taps)
+        worst = float(kernel.abs().sum(dim=-1).max())
+        assert MAX_PEAK * worst < PCM_LIMIT, (rate, worst)
 
 
 def test_a_dataset_without_part_hashes_loads_with_a_warning(copy):

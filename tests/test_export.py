@@ -302,6 +302,29 @@ def test_model_card_without_an_evaluation_says_where_the_loss_comes_from(tmp_pat
     assert "not recorded for this step: run `musiclm-stab evaluate RUN`" in card and "bits**" not in card
 
 
+def test_model_card_reads_only_the_held_out_record_of_the_runs_own_data(tmp_path):
+    """The card's held-out loss is eval/step_N.json's only when that record is of the held-out split of the
+    run's own data: an earlier version wrote `evaluate --split train` there (kept readable: it is passed
+    over, as is a record of other data), and a train-split record of its own name is never read (before: the
+    card printed the train loss under "Held-out loss")."""
+    run = _card_run(tmp_path, evaluated=False)
+    (run / "eval").mkdir()
+    record = {"eval/acoustic_mlm_loss/cb0": 1.234, "unit": "bits", "split": "train", "data": "work/bach_tokens",
+              "num_segments": 12, "masked_frames": 3456, "step": 1}
+    (run / "eval" / "step_00000001.json").write_text(json.dumps(record))  # as the old evaluate --split train
+    (run / "eval" / "step_00000001.train.json").write_text(json.dumps(record))
+    export(run, tmp_path / "hf", seconds=2)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "**9.750 bits** at step 1, evaluated during training" in card and "1.234" not in card
+    (run / "eval" / "step_00000001.json").write_text(json.dumps({**record, "split": "eval", "data": "elsewhere"}))
+    export(run, tmp_path / "hf", seconds=2, overwrite=True)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "**9.750 bits** at step 1, evaluated during training" in card and "1.234" not in card
+    (run / "eval" / "step_00000001.json").write_text(json.dumps({**record, "split": "eval"}))
+    export(run, tmp_path / "hf", seconds=2, overwrite=True)
+    assert "**1.234 bits** at step 1, on the eval split of `work/bach_tokens`" in (tmp_path / "hf" / "README.md").read_text()
+
+
 def test_export_without_transformers_names_the_extra(tmp_path):
     """With transformers not importable, `musiclm-stab export` fails in one line naming the `export` extra
     (exit 2, no traceback) and writes nothing."""
@@ -318,3 +341,57 @@ def test_export_without_transformers_names_the_extra(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: export needs transformers"), proc.stderr
     assert "pip install 'musiclm_stab[export]'" in lines[0]
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_full_disk_while_exporting_is_one_line(tmp_path, monkeypatch, capsys):
+    """A disk that fills while the export is written (safetensors' SafetensorError naming the OS error, at the
+    heads file) stops with exit 1 and one line: what could not be written, the reason and the free space, and
+    to free space and rerun; the rerun then exports (before: a SafetensorError traceback)."""
+    import errno
+    import os
+
+    from safetensors import SafetensorError
+
+    import musiclm_stab.export.hubert as hubert
+
+    run = make_run(tmp_path / "run", norm_scheme="pre")
+    out = tmp_path / "hf"
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hubert, "save_file", full)
+    capsys.readouterr()
+    assert cli_main([str(run), str(out), "--seconds", "2"]) == 1
+    err = capsys.readouterr().err  # transformers' progress bar, then the error
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: cannot write the export {out}: {os.strerror(errno.ENOSPC)} ("), err
+    assert errors[0].endswith(" MB free). The export was not written: free some space, then rerun the same command")
+    assert not out.exists()
+    monkeypatch.undo()
+    assert cli_main([str(run), str(out), "--seconds", "2"]) == 0
+
+
+def test_a_real_full_disk_while_exporting(tmp_path, capsys):
+    """The same on a real small file system (a 1 MB tmpfs; the weights need 5 MB; needs the right to mount,
+    else skipped): one line, exit 1; after freeing space (the tmpfs made larger) the rerun exports."""
+    import subprocess
+
+    run = make_run(tmp_path / "run", norm_scheme="pre")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN): the other test simulates it")
+    try:
+        capsys.readouterr()
+        assert cli_main([str(run), str(disk / "hf"), "--seconds", "2"]) == 1
+        err = capsys.readouterr().err  # transformers' progress bar, then the error
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in err and "No space left on device" in errors[0], err
+        assert errors[0].startswith(f"error: cannot write the export {disk / 'hf'}: ") and \
+            errors[0].endswith("free some space, then rerun the same command"), err
+        subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)
+        assert cli_main([str(run), str(disk / "hf"), "--seconds", "2"]) == 0, capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -206,6 +206,22 @@ def test_folder_refuses_a_folder_an_earlier_version_gave_to_another_file(tmp_pat
         extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
 
 
+def test_a_rerun_keeps_the_record_of_what_earlier_runs_wrote(tmp_path, model, make_music):
+    """features.json's ``written`` after a rerun that adds a file lists the earlier run's files and this run's
+    (before: only this run's; the earlier outputs, skipped as existing, were no longer recorded as written)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(1.0, seed=37), SR)
+    first = extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    sf.write(src / "b.wav", make_music(1.0, seed=38), SR)
+    second = extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    assert len(first.written) == len(second.written) == 1 and second.skipped == [first.written[0]["output"]]
+    assert json.loads((out / "features.json").read_text())["written"] == [*first.written, *second.written]
+    third = extract_folder(model, src, out, layers=[0], chunk_seconds=2.0, progress=False)
+    assert not third.written and json.loads((out / "features.json").read_text())["written"] == \
+        [*first.written, *second.written]
+
+
 def test_folder_records_an_unreadable_folder(tmp_path, model, make_music):
     """A subfolder the walk cannot list is in ``failed`` (and features.json) with kind unreadable; before, its
     audio vanished without a record."""

@@ -54,7 +54,7 @@ def test_evaluation_names_its_unit(tokenized_dataset, tmp_path):
     run_dir = Trainer(tiny(tokenized_dataset, tmp_path, "r", "--train.max_steps=2")).run()
     result = evaluate(run_dir, split="all", write=True)
     assert result["unit"] == "bits"
-    assert json.loads((run_dir / "eval" / "step_00000002.json").read_text())["unit"] == "bits"
+    assert json.loads((run_dir / "eval" / "step_00000002.all.json").read_text())["unit"] == "bits"
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     del cfg["train"]["loss_unit"]  # as written before the setting existed
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))

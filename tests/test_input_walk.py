@@ -112,3 +112,43 @@ def test_an_input_error_travels_to_a_worker_process():
     assert (e.path, e.reason, e.kind, str(e)) == ("/music/locked", "cannot read the folder: Permission denied",
                                                   "unreadable", "/music/locked: cannot read the folder: "
                                                   "Permission denied")
+
+
+def test_retry_failures_tokenizes_a_folder_that_became_readable(tmp_path, local_weights, make_music, capsys):
+    """A subfolder unreadable at the first run (a failure of kind unreadable, with the advice to rerun with
+    --retry-failures), readable since: that command tokenizes its files into units of their own, keeps the
+    units done before (their tracks are not encoded again) and leaves no failure; then a plain rerun finds the
+    output finished, and the rows are those of a run that read the folder from the start (before: the retry was
+    refused as an output made "with other settings", the file list having changed)."""
+    from musiclm_stab.tokenizer.cli import cli_main
+
+    src = tmp_path / "src"
+    (src / "m").mkdir(parents=True)
+    for name, seed in (("a.wav", 1), ("m/b.wav", 2), ("m/c.wav", 3), ("m-x.wav", 4), ("z.wav", 5)):
+        sf.write(src / name, make_music(0.7, seed=seed), SR)
+    args = [str(src), str(tmp_path / "out"), "--weights", str(local_weights), "--segment-seconds", "0.5",
+            "--min-seconds", "0.1", "--part-tracks", "1", "--workers", "0", "--no-progress"]
+
+    def run(*extra: str) -> tuple[dict, str]:
+        capsys.readouterr()
+        assert cli_main([*args, *extra]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        return json.loads(out.split("  summary: ")[1]), out
+
+    with locked_folder(src / "m"):
+        first, printed = run()
+    assert (first["num_tracks"], first["failures_by_kind"]) == (3, {"unreadable": 1})
+    assert "(rerun with --retry-failures to try them again)" in printed
+    retried, _ = run("--retry-failures")
+    assert (retried["num_tracks"], retried["num_failures"], retried["num_units"]) == (5, 0, 6)
+    assert retried["units_done_before"] == 3  # a.wav, m-x.wav, z.wav: kept, not encoded again
+    assert (tmp_path / "out" / "failures.jsonl").read_text() == ""
+    again, _ = run()
+    assert again["units_done_before"] == 6 and again["num_tracks"] == 5
+    whole = tokenize(src, tmp_path / "whole", weights=str(local_weights), segment_seconds=0.5, min_seconds=0.1,
+                     part_tracks=1, workers=0, progress=False)
+    assert whole.num_tracks == 5
+    rows, expected = load_tokenized(tmp_path / "out")[0], load_tokenized(tmp_path / "whole")[0]
+    assert sorted(rows["id"]) == sorted(expected["id"])
+    by_id = {i: c for i, c in zip(rows["id"], rows["codes"])}
+    assert all(by_id[i] == c for i, c in zip(expected["id"], expected["codes"]))

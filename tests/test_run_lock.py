@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_checkpoint import finish, kill, pause_at, rows, start, wait_for_file
+from test_checkpoint import REPO, finish, kill, pause_at, rows, start, wait_for_file
 from test_distributed import launch_reporting
 
 from musiclm_stab.training import checkpoint
@@ -139,3 +139,115 @@ def test_both_ranks_of_a_refused_job_stop_together(tokenized_dataset, tmp_path):
     for rank, (code, out) in ranks.items():
         assert code == 2 and "process group left before exit: True" in out, (rank, code, out[-3000:])
     assert not (tmp_path / "busy" / "config.yaml").exists() and not (tmp_path / "busy" / "metrics.jsonl").exists()
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder``: relative path -> (size, mtime_ns)."""
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+HOLD_OUTPUT = textwrap.dedent("""
+    import sys, time
+    from musiclm_stab.tokenizer.lock import output_lock
+    with output_lock(sys.argv[1]):
+        print("locked", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_tokenize_overwrite_into_a_run_a_trainer_holds_is_refused_touching_nothing(tokenized_dataset, tmp_path,
+                                                                                 make_music, local_weights, capsys):
+    """`tokenize SRC RUN --overwrite` while a trainer holds RUN (its lock held by another process; config, data
+    record, metrics and a checkpoint there) stops with exit 2 and one line naming the trainer's pid, host and
+    command, and touches nothing in RUN (before: the tokenizer's lock was another file, and --overwrite
+    deleted the live run)."""
+    import soundfile as sf
+
+    from musiclm_stab.tokenizer.cli import cli_main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(2.0, seed=3), 24_000)
+    run_dir = tmp_path / "run"
+    holder = hold(run_dir)
+    try:
+        (run_dir / "config.yaml").write_text("train:\n  max_steps: 4\n")
+        (run_dir / "tokenizer.json").write_text((tokenized_dataset / "tokenizer.json").read_text())
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+        (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step_00000002" / "model.safetensors").write_bytes(b"weights")
+        before = _tree(run_dir)
+        capsys.readouterr()
+        code = cli_main([str(src), str(run_dir), "--weights", str(local_weights), "--overwrite", "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"musiclm-stab tokenize: {run_dir} is being written by process {holder.pid} on "), err
+        assert f": -c {run_dir}; wait for it to finish or stop it (its lock, {run_dir / LOCK_FILE}," in err, err
+        assert _tree(run_dir) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate()
+
+
+def test_a_trainer_is_refused_a_folder_a_tokenizer_is_writing_touching_nothing(tokenized_dataset, tmp_path, capsys,
+                                                                               fresh_accelerate_state):
+    """A training run whose directory is a folder a tokenizer is writing (its lock held by another process)
+    stops with exit 2 and one line naming that process and its lock, creating nothing in the folder (before:
+    it trained into it beside the tokenizer)."""
+    from musiclm_stab.training import trainer as train
+
+    out = tmp_path / "tokens"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_OUTPUT, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        before = _tree(out)
+        capsys.readouterr()
+        code = train.main(["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={tokenized_dataset}",
+                           f"--train.output_dir={tmp_path}", "--train.name=tokens", "--data.crop_seconds=2.0",
+                           "--data.batch_size=2", "--data.eval_fraction=0.3", "--train.max_steps=2",
+                           "--optim.warmup_steps=1", "--train.trackers=[]"])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert errors[0].startswith(f"error: run directory {out} is being written by process {holder.pid} on "), errors
+        assert f"(its lock, {out / '.tokenize.lock'}, is released when that process exits)" in errors[0], errors
+        assert _tree(out) == before
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_order(tokenized_dataset, tmp_path):
+    """The lock bypassed as the issue did it: trainer A is held after update 4 (rows 1-3 written, checkpoint 2
+    published), its lock file is deleted, and a `--resume` B locks a new one and trains to step 6. Let go, A
+    stops before its next write with exit 2 and one line saying its lock was deleted and why that stops it,
+    writing no row or checkpoint more: the metrics are A's rows 1-3, then B's from its checkpoint on (before: A
+    went on beside B, steps interleaved, and died on B's checkpoints with a misleading message)."""
+    from musiclm_stab.analysis.runs import read_run
+
+    run_dir, marker = tmp_path / "r", tmp_path / "held"
+    a = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", env={"TRAIN_FAULT": f"hold:4:{marker}"})
+    try:
+        wait_for_file(a, marker)
+        assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+        (run_dir / LOCK_FILE).unlink()  # "a stale lock file"
+        finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
+        after_b = (run_dir / "metrics.jsonl").read_bytes()
+        published = sorted(c.name for c in checkpoint.list_checkpoints(run_dir))
+        marker.unlink()  # A goes on
+        out, _ = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            kill(a)
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert a.returncode == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert errors[0].startswith(f"error: the lock of run directory {run_dir} ({run_dir / LOCK_FILE}) was deleted "
+                                "or replaced while this trainer held it, so another trainer may be writing the run now: "
+                                "stopped before the metrics row of step 4, without writing anything more."), errors
+    assert (run_dir / "metrics.jsonl").read_bytes() == after_b
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 3, 4, 5, 6]
+    assert sorted(c.name for c in checkpoint.list_checkpoints(run_dir)) == published
+    assert published[-1] == "step_00000006"
+    assert list(read_run(run_dir).series["loss"][0]) == list(range(1, 7))

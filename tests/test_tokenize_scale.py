@@ -3,9 +3,13 @@ boundary policy, manifests, streaming datasets, and sharded runs that merge into
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -253,20 +257,29 @@ def test_review_cases_manifests_rows_and_the_output_guard(tmp_path, local_weight
     assert load_tokenized(tmp_path / "out_killed")[0]["track"] == ["x.wav"]
 
 
-def test_a_killed_merge_is_finished_by_running_it_again(tmp_path, local_weights, make_music, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, local_weights, make_music):
+    """4 tracks of 0.7 s tokenized once whole and once as 2 shards (one track per unit): (single, shards)."""
+    root = tmp_path_factory.mktemp("sharded")
+    src = root / "src"
+    src.mkdir()
+    for i in range(4):
+        sf.write(src / f"t{i}.wav", make_music(0.7, seed=70 + i), SR)
+    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
+    tokenize(src, root / "single", **kw)
+    shards = [root / f"shard{i}" for i in range(2)]
+    for i, out in enumerate(shards):
+        tokenize(src, out, shard=f"{i}/2", **kw)
+    return root / "single", shards
+
+
+def test_a_killed_merge_is_finished_by_running_it_again(sharded, tmp_path, local_weights, monkeypatch, capsys):
     """A merge that dies after copying two units, and one that dies before writing tokenizer.json, are both
     finished by running the same `--merge` again, with the single run's rows; a finished merge run again
     changes nothing; a folder holding another tokenization's unit is refused and left as it was."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(4):
-        sf.write(src / f"t{i}.wav", make_music(0.7, seed=90 + i), SR)
-    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
-    tokenize(src, tmp_path / "single", **kw)
-    shards = [tmp_path / f"shard{i}" for i in range(2)]
-    for i, out in enumerate(shards):
-        tokenize(src, out, shard=f"{i}/2", **kw)
-    single, _ = load_tokenized(tmp_path / "single")
+    single_dir, shards = sharded
+    src, kw = single_dir.parent / "src", dict(weights=str(local_weights), part_tracks=1, **KW)
+    single, _ = load_tokenized(single_dir)
     merge_cmd = ["--merge", str(tmp_path / "merged"), *map(str, shards)]
 
     real_commit, calls = OutputDir.commit, []
@@ -300,3 +313,88 @@ def test_a_killed_merge_is_finished_by_running_it_again(tmp_path, local_weights,
     assert cli_main(["--merge", str(other), *map(str, shards)]) == 1
     assert "already holds unit 0" in capsys.readouterr().err
     assert not (other / "tokenizer.json").exists()
+
+
+def test_a_full_disk_while_merging_is_one_line_and_the_rerun_finishes(sharded, tmp_path, monkeypatch, capsys):
+    """A merge onto another file system (parts copied, not linked) whose disk fills at the second part: exit 1
+    and one line naming the file, the reason and the free space, what is kept and to free space and rerun;
+    the same command afterwards finishes with the single run's rows (before: an OSError traceback)."""
+    import shutil
+
+    single, shards = sharded
+    out = tmp_path / "merged"
+    real_copy, copies = shutil.copyfile, []
+
+    def other_file_system(src, dst, **kwargs):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+
+    def fills_at_the_second(src, dst, **kwargs):
+        copies.append(dst)
+        if len(copies) == 2:
+            Path(dst).write_bytes(b"\0" * 16)  # cut short
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_copy(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "link", other_file_system)
+    monkeypatch.setattr(shutil, "copyfile", fills_at_the_second)
+    capsys.readouterr()
+    assert cli_main(["--merge", str(out), *map(str, shards)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"musiclm-stab tokenize --merge: cannot write {out}"), err
+    assert f"{os.strerror(errno.ENOSPC)} (" in err and " MB free)" in err, err
+    assert err.endswith("Merging stopped; the 1 units merged so far are kept: free some space, then rerun the "
+                        "same command to finish it\n"), err
+    assert not (out / "tokenizer.json").exists()
+    monkeypatch.undo()
+    assert cli_main(["--merge", str(out), *map(str, shards)]) == 0, capsys.readouterr().err
+    _same(load_tokenized(single)[0], load_tokenized(out)[0])
+
+
+def test_a_real_full_disk_while_merging(sharded, tmp_path, capsys):
+    """The same on a real small file system (a 128 kB tmpfs holding the merged output; needs the right to mount,
+    else skipped): one line, exit 1; after freeing space (the tmpfs made larger) the rerun finishes."""
+    single, shards = sharded
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN): the other test simulates it")
+    try:
+        out = disk / "merged"
+        capsys.readouterr()
+        assert cli_main(["--merge", str(out), *map(str, shards)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and os.strerror(errno.ENOSPC) in err, err
+        assert err.startswith(f"musiclm-stab tokenize --merge: cannot write {out}") and "free some space" in err, err
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        assert cli_main(["--merge", str(out), *map(str, shards)]) == 0, capsys.readouterr().err
+        _same(load_tokenized(single)[0], load_tokenized(out)[0])
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_lost_unit_record_is_redone_by_the_rerun(sharded, tmp_path, local_weights):
+    """A finished shard that lost a unit record (refused by the merge: "tokenize that shard again") is completed
+    by running its tokenize again: that unit only is redone and tokenizer.json written again, and the merge
+    then gives the single run's rows (before: the rerun returned at once as finished, so the merge kept
+    refusing: a loop). A finished output run again redoes nothing."""
+    import shutil
+
+    single, shards = sharded
+    copies = [tmp_path / s.name for s in shards]
+    for s, c in zip(shards, copies):
+        shutil.copytree(s, c)
+    (copies[1] / ".tokenize" / "units" / "u000001.json").unlink()
+    with pytest.raises(ValueError, match="has no record of its unit 1.*tokenize that shard again"):
+        merge_shards(tmp_path / "merged", copies)
+    assert not (tmp_path / "merged").exists()
+    kw = dict(weights=str(local_weights), part_tracks=1, **KW)
+    redone = tokenize(single.parent / "src", copies[1], shard="1/2", **kw)
+    assert (redone.units_done_before, redone.num_units, redone.num_tracks) == (1, 2, 2)
+    assert redone.seconds_this_run > 0
+    assert json.loads((copies[1] / "tokenizer.json").read_text())["parts"] == \
+        json.loads((shards[1] / "tokenizer.json").read_text())["parts"]
+    again = tokenize(single.parent / "src", copies[1], shard="1/2", **kw)
+    assert (again.units_done_before, again.seconds_this_run) == (2, 0.0)
+    merge_shards(tmp_path / "merged", copies)
+    _same(load_tokenized(single)[0], load_tokenized(tmp_path / "merged")[0])

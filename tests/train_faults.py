@@ -12,6 +12,8 @@ The fault is chosen by the environment variable ``TRAIN_FAULT``; it patches the 
 - ``enospc:<rank>:<step>:<seconds>`` makes every ``torch.save`` of the process of that rank (env ``RANK``, 0
   without a launcher) into the partial write of checkpoint ``<step>`` write 16 bytes, wait ``<seconds>`` (a
   slow disk: the other processes are done with their part meanwhile) and fail as a full disk does.
+- ``hold:<step>:<marker>`` holds the training loop right after update ``<step>`` (before its metrics row),
+  after creating the file ``<marker>``, until the test deletes that file; then training goes on.
 - ``raise:<step>`` raises a RuntimeError (an error ``main`` does not handle: a bug) on every process right
   after update ``<step>``, as a checkpoint of the step before may still be written in the background.
 
@@ -78,6 +80,20 @@ def crash(step: int) -> None:
     train.Trainer.update = update
 
 
+def hold(step: int, marker: Path) -> None:
+    original = train.Trainer.update
+
+    def update(self):
+        result = original(self)
+        if self.step == step:
+            marker.write_text(f"held after update {step}\n")
+            while marker.exists():  # until the test lets it go on
+                time.sleep(0.05)
+        return result
+
+    train.Trainer.update = update
+
+
 def gloo_threads() -> int:
     """Threads of this process that belong to gloo (its transport loop, the process group's workers)."""
     names = []
@@ -97,10 +113,13 @@ def inject(spec: str) -> None:
     elif kind == "enospc":
         rank, step, delay = args
         disk_full(int(rank), int(step), float(delay))
+    elif kind == "hold":
+        step, marker = args
+        hold(int(step), Path(marker))
     elif kind == "raise":
         crash(int(args[0]))
     else:
-        raise SystemExit(f"TRAIN_FAULT={spec!r}: unknown fault {kind!r} (pause, enospc, raise)")
+        raise SystemExit(f"TRAIN_FAULT={spec!r}: unknown fault {kind!r} (pause, enospc, hold, raise)")
 
 
 if __name__ == "__main__":

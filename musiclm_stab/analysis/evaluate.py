@@ -6,8 +6,10 @@ Deterministic: centre crops, no noise mixup, span masks from a fixed seed (trimm
 when the run's ``model.require_same_masks`` is on, as in training), dropout off; two evaluations of one
 checkpoint agree exactly. Losses are averaged over masked frames of the whole split, in the run's
 ``train.loss_unit`` (bits, or nats for runs made before the setting existed), which the results name
-under ``unit``. Results are printed as a table and written to ``<run>/eval/step_<N>.json`` under the
-metric names of DESIGN.md with the ``eval/`` prefix.
+under ``unit``. Results are printed as a table and written to the run directory under the metric names of
+DESIGN.md with the ``eval/`` prefix: ``<run>/eval/step_<N>.json`` for the held-out split of the run's own data,
+a file of its own for any other split or data (``training.run_dir.eval_record``), so that evaluating the train
+split never replaces the held-out record the model card reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from musiclm_stab.host import default_device
 from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.held_out import held_out_metrics
 from musiclm_stab.training.precision import forward_context
-from musiclm_stab.training.run_dir import read_run_json
+from musiclm_stab.training.run_dir import eval_record, read_run_json
 from musiclm_stab.training.trained import load_model, resolve_checkpoint
 
 
@@ -78,10 +80,11 @@ class EvaluationWriteError(RuntimeError):
 
 
 def write_result(result: dict) -> Path:
-    """Write ``evaluate``'s result to ``<run>/eval/step_<N>.json`` (complete or absent); EvaluationWriteError
-    naming the file and the reason if it cannot be."""
+    """Write ``evaluate``'s result to its record in the run directory (``eval_record``: one per split and data;
+    complete or absent); EvaluationWriteError naming the file and the reason if it cannot be."""
     ckpt = Path(result["checkpoint"])
-    out = ckpt.parent.parent / "eval" / f"step_{result['step']:08d}.json"
+    run_dir = ckpt.parent.parent
+    out = eval_record(run_dir, result["step"], result["split"], result["data"], config_from_run(run_dir).data.path)
     part = out.with_name(f".{out.name}.part")
     try:
         out.parent.mkdir(exist_ok=True)

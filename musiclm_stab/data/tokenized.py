@@ -14,10 +14,11 @@ tokenizer takes the format's constants from here.
 Checks at load (``load_tokenized``): every file name read from tokenizer.json or state.json must stay
 inside the dataset's folder (``inside``; datasets and shards come from other machines: untrusted), and
 every part file must be what the tokenizer wrote (``check_parts``): the size tokenizer.json records, on
-every load; its sha256, and codes in [0, codebook_size) with the recorded shape, once per version of the
-file (its size, mtime, ctime and inode), remembered in this process and under the user's cache folder
-(``verified_cache_dir``), never in the dataset (which may be read-only). Datasets written before parts
-carried hashes load with an ``UncheckedData`` warning: only their arrow structure and codes are checked.
+every load; its sha256, codes in [0, codebook_size) with the recorded shape, and finite audio within
+``PCM_LIMIT``, once per version of the file (its size, mtime, ctime and inode), remembered in this process
+and under the user's cache folder (``verified_cache_dir``), never in the dataset (which may be read-only).
+Datasets written before parts carried hashes load with an ``UncheckedData`` warning: only their arrow
+structure, codes and audio are checked.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class IncompleteShards(ValueError):
 
 class DamagedData(ValueError):
     """A part file of a tokenized dataset is not what its tokenizer wrote: missing, of another size or sha256
-    than recorded, not readable as arrow data, or holding codes out of range or of another shape."""
+    than recorded, not readable as arrow data, or holding codes out of range or of another shape, or audio
+    that no tokenizer writes (not finite, or beyond PCM_LIMIT)."""
 
 
 class UnsafePath(ValueError):
@@ -283,7 +285,12 @@ def check_complete_shards(paths: Sequence[Path], infos: Sequence[dict]) -> None:
 
 # -- integrity of the part files --------------------------------------------------------------------------
 
-CHECK_VERSION = 1  # bump when the checks change: parts checked before are checked again
+CHECK_VERSION = 2  # bump when the checks change: parts checked before are checked again (2: the audio's range)
+
+# The largest |pcm| a tokenizer writes, with room: float audio is kept unscaled up to audio.MAX_PEAK (2.0), and
+# resampling it to 24 kHz can overshoot by the sum of the filter's |taps| (at most 1.87 at common rates:
+# tests/test_data_integrity.py). A part holding more, or a value that is not finite, is damaged or forged.
+PCM_LIMIT = 4.0
 _VERIFIED: set[str] = set()  # keys (``_part_key``) of the part files this process has checked
 _WARNED_CACHE: set[str] = set()  # cache folders this process could not write (warned once each)
 
@@ -352,8 +359,8 @@ def _remember(root: Path, passed: dict[str, str]) -> None:
 def _codes_problem(file: Path, rows: int | None, limits: tuple[int, int | None], where: str) -> str | None:
     """Why ``file`` does not hold valid rows: unreadable arrow data, missing columns, codes out of
     [0, codebook_size), a row whose codes have another number of codebooks or frames than ``num_frames``,
-    another number of rows than recorded. None when it holds valid rows. Reads the ``codes`` and
-    ``num_frames`` columns only (memory-mapped: not the audio)."""
+    audio that is not finite or beyond PCM_LIMIT, another number of rows than recorded. None when it holds
+    valid rows. Reads the ``codes``, ``num_frames`` and ``pcm`` columns (memory-mapped)."""
     size, levels = limits
     try:
         with pa.memory_map(str(file)) as source:
@@ -407,7 +414,29 @@ def _batch_codes_problem(batch: pa.RecordBatch, first: int, size: int, levels: i
             bad = int(np.flatnonzero((v < 0) | (v >= size))[0])
             row = int(pc.list_parent_indices(codes)[pc.list_parent_indices(inner)[bad].as_py()].as_py())
             return f"code {int(v[bad])} in its row {first + row}: codes must be in [0, {size})"
-    return None
+    return _pcm_problem(batch, first)
+
+
+def _pcm_problem(batch: pa.RecordBatch, first: int) -> str | None:
+    """Why the audio of a batch of rows is not what a tokenizer writes: a value that is not finite, or beyond
+    PCM_LIMIT (what training would read as audio: a part with forged hashes trained on 2.4e24). None if fine."""
+    if "pcm" not in batch.schema.names:
+        return None
+    pcm = batch.column("pcm")
+    pcm.validate(full=True)
+    if not pa.types.is_list(pcm.type) and not pa.types.is_large_list(pcm.type):
+        return f"pcm of type {pcm.type}, not lists of numbers"
+    values = pcm.flatten()
+    if pcm.null_count or values.null_count:
+        return "missing audio samples (nulls)"
+    v = values.to_numpy(zero_copy_only=False)
+    inside = (v >= -PCM_LIMIT) & (v <= PCM_LIMIT)  # False for NaN too
+    if inside.all():
+        return None
+    bad = int(np.flatnonzero(~inside)[0])
+    row = int(pc.list_parent_indices(pcm)[bad].as_py())
+    return (f"audio sample {float(v[bad]):g} in its row {first + row}: audio must be finite and within "
+            f"[-{PCM_LIMIT:g}, {PCM_LIMIT:g}] (what a tokenizer writes)")
 
 
 def redo_advice(root: Path, info: dict) -> str:

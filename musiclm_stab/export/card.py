@@ -3,7 +3,7 @@
 Written from the run's own record, never from memory: its ``config.yaml`` (model, data, optimizer,
 precision), its ``tokenizer.json`` (the data and the EnCodec weights its codes came from), the exported
 checkpoint's step, the held-out codebook-0 loss of that step when the run was evaluated (``eval/step_N.json``
-from ``musiclm-stab evaluate``, else the ``eval/`` columns of metrics.jsonl from ``train.eval_every``), and
+from ``musiclm-stab evaluate``, the held-out split of the run's own data only, else the ``eval/`` columns of metrics.jsonl from ``train.eval_every``), and
 the export's own verification. What the record does not hold, the card says it does not know.
 
 The card travels with the weights to other machines and to the Hub, so it names files and folders by their
@@ -25,6 +25,7 @@ from typing import Any
 from musiclm_stab.config import Config
 from musiclm_stab.constants import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, SAMPLE_RATE, __version__
 from musiclm_stab.export.exported import PAD_SAMPLES
+from musiclm_stab.training.run_dir import eval_record, same_data
 
 CB0 = "eval/acoustic_mlm_loss/cb0"
 PIPELINE_TAG = "feature-extraction"  # the Hub's task for a model whose output is features (hidden states)
@@ -43,13 +44,15 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
 
 
-def held_out_cb0(run_dir: Path, step: int | None, unit: str) -> str:
-    """The held-out codebook-0 loss of ``step`` as the run recorded it, in words; or how to get it."""
+def held_out_cb0(run_dir: Path, step: int | None, unit: str, data: str | list[str]) -> str:
+    """The held-out codebook-0 loss of ``step`` as the run recorded it, in words; or how to get it. Only a
+    record of the held-out split of the run's own ``data`` counts (an earlier version wrote other splits and
+    data to the same file: such a record is passed over)."""
     if step is not None:
-        evaluated = run_dir / "eval" / f"step_{step:08d}.json"
+        evaluated = eval_record(run_dir, step, "eval", data, data)
         if evaluated.is_file():
             e = json.loads(evaluated.read_text())
-            if CB0 in e:
+            if CB0 in e and e.get("split") == "eval" and same_data(e.get("data"), data):
                 return (f"**{e[CB0]:.3f} {e.get('unit', unit)}** at step {step}, on the {e.get('split', 'eval')} split "
                         f"of `{_name(e.get('data'))}` ({e.get('num_segments')} segments, {e.get('masked_frames')} masked frames; "
                         f"`musiclm-stab evaluate`, {evaluated.relative_to(run_dir)})")
@@ -155,7 +158,7 @@ def model_card(cfg: Config, run_dir: Path, step: int | None, tokenizer: dict[str
         "",
         "## Held-out loss",
         "",
-        f"Codebook-0 cross-entropy of the masked frames: {held_out_cb0(run_dir, step, t.loss_unit)}. "
+        f"Codebook-0 cross-entropy of the masked frames: {held_out_cb0(run_dir, step, t.loss_unit, d.path)}. "
         f"Chance is log2({CODEBOOK_SIZE}) = 10 bits.",
         "",
         "## Limits",

@@ -203,10 +203,11 @@ def extract_folder(
     """Features of every audio file under ``src`` (or of the file ``src``) into ``out``.
 
     One directory per file, ``out/<relative path without suffix>/layer_XX.npy`` ([T, D]), and
-    ``out/features.json`` (model, layers, settings, files, failures). Files whose directory exists are
-    skipped unless ``overwrite``; an ``out`` made with other settings is refused, and so is an ``out`` that
-    holds anything but features, or a file's folder that is anything but its features (removal.py: nothing
-    outside ``out`` or of another kind is ever removed, skipped or written over). Unreadable audio is
+    ``out/features.json`` (model, layers, settings, failures, and the files written: by this run and the
+    earlier ones whose output is still there). Files whose directory exists are skipped unless ``overwrite``;
+    an ``out`` made with other settings is refused, and so is an ``out`` that holds anything but features, or a
+    file's folder that is anything but its features (removal.py: nothing outside ``out`` or of another kind is
+    ever removed, skipped or written over). Unreadable audio is
     reported in ``failed`` (path, kind, reason; any other error while decoding one file is kind ``error``)
     and the run goes on.
     """
@@ -247,6 +248,7 @@ def extract_folder(
     }
     manifest = out / MANIFEST
     made_from: dict[str, str] = {}  # output -> source, as an earlier run recorded them
+    earlier: list[dict] = []  # what earlier runs recorded as written: kept in the record, with this run's
     if manifest.is_file() and not overwrite:
         with writing(manifest, "read"):
             text = manifest.read_text()
@@ -261,7 +263,8 @@ def extract_folder(
                 f"{out} holds features made with other settings ({', '.join(differ)} differ); "
                 "use another output folder or overwrite=True (--overwrite)"
             )
-        made_from = {w["output"]: w["source"] for w in old.get("written", [])}
+        earlier = old.get("written", [])
+        made_from = {w["output"]: w["source"] for w in earlier}
     with writing(out, "create the output folder"):
         out.mkdir(parents=True, exist_ok=True)
         mark_output(out, "features")
@@ -301,7 +304,9 @@ def extract_folder(
                                    f"{e.advice()}, then rerun the same command to go on with the rest (it skips "
                                    "them)", e.path, e.errno) from None
         summary.written.append({"source": str(path), "output": str(name), "frames": frames})
-    record = {**settings, "written": summary.written, "skipped": summary.skipped, "failed": summary.failed}
+    now = {w["output"] for w in summary.written}
+    kept = [w for w in earlier if w["output"] not in now and (out / w["output"]).is_dir()]  # still there
+    record = {**settings, "written": kept + summary.written, "skipped": summary.skipped, "failed": summary.failed}
     tmp = out / MANIFEST_TMP
     with writing(tmp):  # never half a manifest: a full disk leaves the earlier one
         tmp.write_text(json.dumps(record, indent=2))

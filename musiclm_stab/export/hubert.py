@@ -64,6 +64,7 @@ from musiclm_stab.export.exported import HEADS_FILE, PAD_SAMPLES, PADDING_NOTE, 
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.frontend import CONV_LAYERS
 from musiclm_stab.model.norm_schemes import SchemeSpec, resolve_scheme
+from musiclm_stab.output_errors import OutputWriteError, stops_on_write_errors
 from musiclm_stab.removal import discard_temporary, is_inside, mark_output, replace_output, why_not_removable
 from musiclm_stab.training.checkpoint import STATE_FILE
 from musiclm_stab.training.trained import load_checkpoint, resolve_checkpoint
@@ -322,6 +323,8 @@ class ExportResult:
     source: str  # the checkpoint exported
 
 
+@stops_on_write_errors("out_dir", lambda error, out: f"The export was not written: {error.advice()}, then rerun "
+                       "the same command", what="write the export")
 def export(
     path: str | Path,
     out_dir: str | Path,
@@ -339,7 +342,8 @@ def export(
 
     Raises ExportError when the model cannot be expressed exactly (nothing is written), when the
     written model disagrees with ours beyond tolerance (it is left in ``<out_dir>.unverified``), or when
-    transformers is not installed (the ``export`` extra).
+    transformers is not installed (the ``export`` extra); OutputWriteError (one line) when the disk is full
+    (or another error only a write raises: a quota, a file size limit, a read-only file system).
     """
     if license is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.+_-]*", license):
         raise ExportError(f"license {license!r} is not a licence identifier as the Hub writes them (mit, apache-2.0, "
@@ -520,6 +524,9 @@ def cli_main(argv: list[str]) -> int:
     except (ExportError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OutputWriteError as e:  # a full disk: nothing was exported, the rerun exports
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     v = result.verification
     print(
         f"exported {result.source} -> {result.out_dir}\nverified on {v.audio}, {v.num_frames} frames, "

@@ -76,7 +76,10 @@ def cli_main(argv: list[str] | None = None) -> int:
                            silence_db=args.silence_db, workers=args.workers, shard=args.shard,
                            retry_failures=args.retry_failures, streaming=args.streaming, part_mb=args.part_mb,
                            part_tracks=args.part_tracks, piece_seconds=args.piece_seconds)
-    except (WeightsUnavailable, TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError,
+    except OutputBusy as e:  # refused: another writer holds the folder (nothing was touched)
+        print(f"musiclm-stab tokenize: {e}", file=sys.stderr)
+        return 2
+    except (WeightsUnavailable, TokenizeError, FileExistsError, FileNotFoundError, ValueError,
             OutputWriteError) as e:
         print(f"musiclm-stab tokenize: {e}", file=sys.stderr)
         return 1
@@ -99,7 +102,10 @@ def _merge_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         meta = merge_shards(args.out, args.shards)
-    except (TokenizeError, OutputBusy, FileExistsError, FileNotFoundError, ValueError) as e:
+    except OutputBusy as e:
+        print(f"musiclm-stab tokenize --merge: {e}", file=sys.stderr)
+        return 2
+    except (TokenizeError, FileExistsError, FileNotFoundError, ValueError, OutputWriteError) as e:
         print(f"musiclm-stab tokenize --merge: {e}", file=sys.stderr)
         return 1
     print(f"merged {len(args.shards)} shards into {args.out}: {meta['num_rows']} segments of {meta['num_tracks']} "

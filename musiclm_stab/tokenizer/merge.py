@@ -20,8 +20,9 @@ from musiclm_stab.data.tokenized import (
     warn_mixed_devices,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.output_errors import OutputWriteError, stops_on_write_errors
 from musiclm_stab.removal import discard_temporary
-from musiclm_stab.tokenizer.lock import output_lock
+from musiclm_stab.tokenizer.lock import check_not_busy, output_lock
 from musiclm_stab.tokenizer.store import (
     DEVICE_KEY,
     OutputDir,
@@ -32,6 +33,16 @@ from musiclm_stab.tokenizer.store import (
 )
 
 
+def _stopped(error: OutputWriteError, out: Path) -> str:
+    """What a merge stopped by a full disk (or another write error) keeps, and what to do."""
+    try:
+        kept = f"the {len(OutputDir(out).done_units())} units merged so far are kept"
+    except OSError:
+        kept = "the units merged so far are kept"
+    return f"Merging stopped; {kept}: {error.advice()}, then rerun the same command to finish it"
+
+
+@stops_on_write_errors("out", _stopped)
 def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str, Any]:
     """Merge the finished outputs of ``--shard 0/n`` ... ``--shard n-1/n`` into one output at ``out``.
 
@@ -40,6 +51,9 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
     Restartable: a merge killed at any point is finished by running it again (units already copied
     are checked and kept); ``out`` is locked while merging. Shards tokenized on different device types
     merge with a DeviceMixWarning (recorded as ``device: "mixed"``). Returns its tokenizer.json contents.
+
+    A full disk (or a quota, a file size limit, a read-only file system) stops it with an OutputWriteError of
+    one line: what was kept and to rerun (which continues).
 
     Shards come from other machines, so they are checked before anything is written: each unit record
     names its own part file, inside the shard (UnsafePath), which is the one recorded (size, sha256, codes
@@ -84,6 +98,7 @@ def merge_shards(out: str | Path, shard_dirs: Sequence[str | Path]) -> dict[str,
                   {"bytes": r.get("bytes"), "sha256": r.get("sha256"), "rows": r["num_rows"]})
                  for (j, k), r in records.items() if j == i and r["file"]]
         check_parts(d.out, parts, info, where="its unit record")
+    check_not_busy(out)
     check_output_folder(out)
     with output_lock(out):
         target = OutputDir.prepare(out, merged, overwrite=False)

@@ -60,8 +60,15 @@ from musiclm_stab.output_errors import OutputWriteError, check_folder_path, writ
 from musiclm_stab.spawned import workers_for
 from musiclm_stab.threads import one_thread
 from musiclm_stab.tokenizer.encode import full_fp32
-from musiclm_stab.tokenizer.lock import output_lock
-from musiclm_stab.tokenizer.plan import PIECE_SECONDS, names_sha256, plan_units, split_long_tracks
+from musiclm_stab.tokenizer.lock import check_not_busy, output_lock
+from musiclm_stab.tokenizer.plan import (
+    PIECE_SECONDS,
+    arrange,
+    names_sha256,
+    plan_units,
+    relist,
+    split_long_tracks,
+)
 from musiclm_stab.tokenizer.policy import SILENCE_POLICIES, UnitSettings
 from musiclm_stab.tokenizer.segments import Piece
 from musiclm_stab.tokenizer.sources import TokenizeError, list_tracks, source_spec, stream_units
@@ -231,7 +238,10 @@ def tokenize(
     sizes them from the source: 1/64 of its bytes, within 4-64 MB, so that small corpora still
     split into enough units to keep every worker busy. A lossless file longer than two
     ``piece_seconds`` is cut into units of that much audio, so that one long track uses every
-    worker (None or 0: never split). The unit plan of the first run stays in force.
+    worker (None or 0: never split). The unit plan of the first run stays in force; with ``retry_failures``,
+    inputs that failed and are now folders of audio (a folder that could not be read) add units of their
+    files after the others (``plan.relist``). A finished output is checked first: a unit whose record was lost
+    is redone, as is one whose part file is damaged.
     ``device`` is recorded in tokenizer.json; TF32 is off wherever the encoder runs.
     An OS error writing ``out_dir`` raises OutputWriteError (one line: the path, the reason, the units kept,
     what to do); it is never recorded as an input's failure, and a rerun continues.
@@ -255,7 +265,8 @@ def tokenize(
     if refs is not None and not refs:
         raise TokenizeError(f"no audio found in {src}")
     check_folder_path(out_dir)  # before loading anything: a file in the way, or a folder that is not ours,
-    with writing(out_dir, "read the output folder"):  # is refused at once
+    with writing(out_dir, "read the output folder"):  # is refused at once, as is a folder another writer holds
+        check_not_busy(out_dir)
         check_output_folder(out_dir)
 
     model, info = _encoder(weights)
@@ -268,6 +279,7 @@ def tokenize(
             unit_bytes = min(64 * 2**20, max(4 * 2**20, sum(r.size for r in refs or []) // 64))
         # a resumed job keeps the plan (units, batching) of its first run: no need to look at the files again
         earlier = _earlier_plan(out_dir, overwrite)
+        extended = None  # an earlier plan extended to files found in a folder that failed (plan.relist)
         if refs is None:
             plan: dict[str, Any] = {"streaming": True, "batching": "track"}
             if earlier is not None and earlier.get("streaming"):
@@ -275,7 +287,11 @@ def tokenize(
         else:
             plan = {"num_tracks": len(refs), "names_sha256": names_sha256(refs)}
             if earlier is not None and earlier.get("names_sha256") == plan["names_sha256"] and "units" in earlier:
-                plan = earlier
+                plan, refs = earlier, arrange(refs, earlier.get("relisted", []))
+            elif retry_failures and spec.kind == "folder" and earlier is not None and (extended := relist(
+                    refs, earlier, _failed_inputs(out_dir), unit_bytes, part_tracks, segment_samples, piece_seconds,
+                    batch_size)) is not None:
+                plan, refs = earlier, extended[1]  # the job is opened as it was, then its plan extended (below)
             else:
                 plan["units"] = split_long_tracks(refs, plan_units(refs, unit_bytes, part_tracks), segment_samples,
                                                   piece_seconds, batch_size)
@@ -294,6 +310,9 @@ def tokenize(
         }
         with writing(out_dir):  # every write to the output: an OS error there stops the run (not an input's fault)
             out = OutputDir.prepare(out_dir, job, overwrite, sources=_sources(src, refs) if overwrite else ())
+        if extended is not None:
+            with writing(out_dir):
+                out.replan(extended[0])
         job = out.job()  # an earlier run's unit plan stays in force (file sizes may have changed since)
         # outputs started before per-track batching keep batching across the tracks of a unit
         settings = UnitSettings(segment_samples, min_samples, silence, float(silence_db), batch_size,
@@ -303,6 +322,7 @@ def tokenize(
                 out.reopen_failed()
         with writing(out_dir):
             out.reopen_damaged()  # a part damaged since it was committed is redone (data/tokenized.py check_parts)
+            out.reopen_missing(job_units(job))  # so is a unit whose record was lost, in a finished output
         meta = {
             **info,
             "segment_seconds": segment_samples / SAMPLE_RATE,
@@ -381,6 +401,12 @@ def _earlier_plan(out_dir: str | Path, overwrite: bool) -> dict | None:
         return json.loads(path.read_text())["plan"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable: OutputDir.prepare reports it
+
+
+def _failed_inputs(out_dir: str | Path) -> set[str]:
+    """The names of the inputs that the committed units of an output recorded as failures."""
+    out = OutputDir(out_dir)
+    return {f["track"] for k in out.done_units() for f in (out.record(k) or {}).get("failures", [])}
 
 
 def _stream_work(spec, job: dict, out: OutputDir, done: set[int], shard_i: int, shard_n: int,

@@ -2,21 +2,24 @@
 
 A work unit is a run of consecutive tracks, closed once it holds ``part_bytes`` of source files or
 ``part_tracks`` tracks (dataset rows count 0 bytes). Units are what gets committed, resumed, retried and
-split into shards, so the plan is fixed at the first run (job.json). A long lossless file
+split into shards, so the plan is fixed at the first run (job.json); a retry of failures that finds a
+folder readable now adds units for its files after the others (``relist``). A long lossless file
 (``split_long_tracks``) is taken out of its unit and cut into pieces of its segments, units of their
 own, so that several workers encode one track at once (segments.piece_rows reads a piece).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from collections.abc import Iterable, Sequence
 
 import soundfile as sf
 
 from musiclm_stab.audio.reader import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from musiclm_stab.audio.stream import AudioStats
 from musiclm_stab.constants import SAMPLE_RATE
-from musiclm_stab.tokenizer.sources import TrackRef
+from musiclm_stab.tokenizer.sources import Relisted, TrackRef
 
 # Formats libsndfile decodes exactly from any frame it seeks to (a piece of a long track starts mid-file).
 # Lossy formats (mp3, ogg) are not split: their decoders' output after a seek is not guaranteed equal.
@@ -38,10 +41,58 @@ _NO_LENGTH = 2**62
 
 def names_sha256(refs: list[TrackRef]) -> str:
     """Fingerprint of a source's track list (names in order)."""
+    return _sha256_of_names(r.name for r in refs)
+
+
+def _sha256_of_names(names: Iterable[str]) -> str:
     h = hashlib.sha256()
-    for r in refs:
-        h.update(r.name.encode() + b"\n")
+    for name in names:
+        h.update(name.encode() + b"\n")
     return h.hexdigest()
+
+
+def _under(name: str, folders: Sequence[str]) -> bool:
+    return any(name.startswith(f"{folder}/") for folder in folders)
+
+
+def arrange(refs: list[TrackRef], relisted: Sequence[Sequence[str]]) -> list[TrackRef]:
+    """A folder's listing ``refs`` in the order of a unit plan that ``relist`` extended: ``relisted`` names,
+    per retry, the inputs then listed as what they hold. Each retry's order is the order before it with those
+    inputs kept in place as Relisted (no rows), then the files under them, in listing order; ``index`` is the
+    position in that order. Without ``relisted``, ``refs`` as they are."""
+    if not relisted:
+        return refs
+    gone = list(relisted[-1])
+    moved = [r for r in refs if _under(r.name, gone)]
+    kept = [r for r in refs if not _under(r.name, gone)] + [TrackRef(0, g, g, 0, Relisted()) for g in gone]
+    ordered = [*arrange(sorted(kept, key=lambda r: r.name), relisted[:-1]), *moved]
+    return [dataclasses.replace(r, index=i) for i, r in enumerate(ordered)]
+
+
+def relist(refs: list[TrackRef], plan: dict, failed: Iterable[str], part_bytes: int, part_tracks: int,
+           segment_samples: int, piece_seconds: float | None, batch_size: int = 1) -> tuple[dict, list[TrackRef]] | None:
+    """An earlier run's unit ``plan`` extended to the folder listing ``refs`` in which inputs that failed
+    (``failed``: their names, e.g. a folder that could not be read) are gone and the files under them appear:
+    those inputs stay in the plan as Relisted (their units, run again, give neither rows nor failure) and the
+    files under them are planned as units of their own after the others, so that every unit done keeps its
+    tracks. Returns (the plan, ``refs`` arranged as it indexes them); None if the listing changed otherwise
+    (checked against the plan's ``names_sha256``: the listing before is the one now, less the files under
+    those inputs, plus the inputs)."""
+    names = {r.name for r in refs}
+    gone = sorted({name for name in failed if name not in names})
+    if not gone or "units" not in plan:
+        return None
+    before = sorted([r.name for r in refs if not _under(r.name, gone)] + gone)
+    if _sha256_of_names(before) != plan.get("names_sha256"):
+        return None
+    rounds = [*plan.get("relisted", []), gone]
+    arranged = arrange(refs, rounds)
+    moved = [r for r in arranged if _under(r.name, gone)]
+    first = len(arranged) - len(moved)
+    units = [(first + i, n) for i, n in plan_units(moved, part_bytes, part_tracks)]
+    extended = split_long_tracks(arranged, units, segment_samples, piece_seconds, batch_size)
+    return ({**plan, "num_tracks": len(refs), "names_sha256": names_sha256(refs),
+             "units": [*plan["units"], *extended], "relisted": rounds}, arranged)
 
 
 def plan_units(refs: list[TrackRef], part_bytes: int, part_tracks: int) -> list[tuple[int, int]]:

@@ -49,7 +49,14 @@ class TrackRef:
     name: str  # the `track` column; ids are f"{name}@{start_sample}"
     where: str  # what a failure record names: a path, or "SRC[row]"
     size: int = 0  # bytes, for planning units (0: unknown)
-    payload: Any = None  # a path (str), encoded bytes, (array, sample_rate), a row number, or an AudioError
+    payload: Any = None  # a path (str), encoded bytes, (array, sample_rate), a row number, an AudioError, Relisted
+
+
+@dataclass(frozen=True)
+class Relisted:
+    """The payload of an input that an earlier run listed and that is now listed as what it holds: a folder it
+    could not read then, whose files are units of their own since (plan.relist). Its unit gives it no rows and
+    no failure."""
 
 
 @dataclass(frozen=True)

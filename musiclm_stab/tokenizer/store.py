@@ -240,11 +240,15 @@ class OutputDir:
                     device = (" (one output is tokenized on one device type; to use another, tokenize into "
                               "another folder: shards made on different devices can be loaded or merged "
                               "together)") if any(line.startswith(f"  {DEVICE_KEY}:") for line in diffs) else ""
+                    listing = ("\nThe source's file list has changed since. If the only change is that inputs "
+                               "that failed (a folder that could not be read) can be read now, rerun with "
+                               "--retry-failures to add their files."
+                               ) if any(line.startswith("  plan.names_sha256:") for line in diffs) else ""
                     raise OutputMismatch(
                         f"{d.out} holds {'a' if what == 'finished' else 'an'} {what} tokenization made with other settings, so the two cannot be "
                         "mixed:\n" + "\n".join(diffs) + "\nRerun with the original settings to "
                         f"{'reuse' if what == 'finished' else 'finish'} it, choose another output folder, or "
-                        f"pass --overwrite (overwrite=True) to start over{device}.")
+                        f"pass --overwrite (overwrite=True) to start over{device}.{listing}")
                 d._make_dirs()  # a run killed right after writing its job made none yet
                 return d
         d.out.mkdir(parents=True, exist_ok=True)
@@ -260,6 +264,12 @@ class OutputDir:
 
     def job(self) -> dict:
         return json.loads((self.state / "job.json").read_text())
+
+    def replan(self, plan: dict) -> None:
+        """Put an extended unit plan in force (plan.relist: the units done keep their tracks, new ones follow).
+        The completion marker goes first: the output reads as unfinished until finalized with the new units."""
+        (self.out / METADATA_FILE).unlink(missing_ok=True)
+        self.update_job(plan=plan)
 
     def update_job(self, **fields: Any) -> None:
         atomic_write(self.state / "job.json", json.dumps({**self.job(), **fields}, indent=1) + "\n")
@@ -351,6 +361,20 @@ class OutputDir:
             for file, _ in damaged:
                 remove_own(self.units_dir / f"u{units[file]:06d}.json", self.out, "tokenized")
         return [str(file.relative_to(self.out)) for file, _ in damaged]
+
+    def reopen_missing(self, units: Sequence[int] | None) -> list[int]:
+        """The planned ``units`` of a finished output that have no record (lost since: deleted, or a copy that
+        left it out), so that this run redoes them and finishes the output again; warns naming them. The
+        completion marker goes first: from then on the output reads as unfinished until finalized."""
+        if units is None or not self.is_complete():
+            return []
+        missing = sorted(set(units) - self.done_units())
+        if missing:
+            warnings.warn(f"{self.out}: redoing {len(missing)} work unit(s) whose record is missing: "
+                          + ", ".join(str(self.units_dir.relative_to(self.out) / f"u{k:06d}.json") for k in missing),
+                          stacklevel=2)
+            (self.out / METADATA_FILE).unlink()
+        return missing
 
     # -- finishing ----------------------------------------------------------------------------------
 

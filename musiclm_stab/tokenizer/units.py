@@ -31,7 +31,7 @@ from musiclm_stab.removal import discard_temporary
 from musiclm_stab.tokenizer.encode import encode_batch, fp32_precision
 from musiclm_stab.tokenizer.policy import UnitSettings, refusal, silent_reason
 from musiclm_stab.tokenizer.segments import Piece, cut_segments, piece_rows, segment_bounds
-from musiclm_stab.tokenizer.sources import SourceSpec, TrackRef, open_track
+from musiclm_stab.tokenizer.sources import Relisted, SourceSpec, TrackRef, open_track
 from musiclm_stab.tokenizer.store import OutputDir
 
 if TYPE_CHECKING:
@@ -194,6 +194,8 @@ def _run_unit_once(spec: SourceSpec, k: int, refs: list[TrackRef], model: Encode
         for ref in refs:
             if ref.index in known_bad:
                 failures.append(known_bad[ref.index])
+                continue
+            if isinstance(ref.payload, Relisted):  # listed as what it holds now, in units of their own
                 continue
             kept = silent = 0
             try:

@@ -58,6 +58,7 @@ from accelerate.utils import (
 
 from musiclm_stab.config import ConfigError
 from musiclm_stab.durable import fsync_dir, fsync_file
+from musiclm_stab.output_errors import OS_ERROR_IN_TEXT as _OS_ERROR_IN_TEXT
 from musiclm_stab.removal import discard_temporary, move_aside, remove_own
 from musiclm_stab.training import registered
 from musiclm_stab.training.registered import Registered
@@ -378,7 +379,6 @@ def _reason(error: BaseException) -> str:
 # torch.save reports any failed write (a full disk, a file size limit) as a RuntimeError of its zip writer,
 # without the OS error; safetensors as a SafetensorError ending in "(os error N)".
 _TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
-_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
 # Free space below which a write that failed for an unknown reason is taken for a full disk.
 _NEARLY_FULL = 64 * 2**20
 

@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,9 @@ class CheckpointWriter:
         self.pending: _Pending | None = None
         self.copies = _HostCopies()
         self.intact = checkpoint.Intact()  # checkpoints written or verified here: pruning need not hash them
+        # called with the step before a write is published, once its files are written (collective): the
+        # trainer's check that it still holds the run directory (run_dir.RunLock.check)
+        self.before_publish: Callable[[int], None] | None = None
 
     def save(self, step: int, state: dict, keep: int, keep_every: int = 0, objects: Registered = ()) -> Path:
         """Start checkpoint ``step`` (after publishing the previous one) with the registered ``objects``;
@@ -258,6 +262,8 @@ class CheckpointWriter:
     def _finish(self) -> Path:
         pending, self.pending = self.pending, None
         pending.thread.join()
+        if self.before_publish is not None:
+            self.before_publish(pending.step)
         acc, run_dir, tmp, main = self.accelerator, self.run_dir, pending.tmp, self.accelerator.is_main_process
 
         def files_written() -> None:

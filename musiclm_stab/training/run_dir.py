@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
 from musiclm_stab.durable import fsync_dir, fsync_file
-from musiclm_stab.locks import Held, ProcessLock
+from musiclm_stab.locks import WRITERS, Held, writer_lock
 from musiclm_stab.removal import discard_temporary, move_tail_aside
 
-LOCK_FILE = ".train.lock"
+LOCK_FILE = WRITERS["train"]
 
 
 class RunBusy(ConfigError):
@@ -46,10 +47,16 @@ def _os_error(run_dir: Path, error: OSError, doing: str) -> ConfigError:
                        + (f" ({error.filename})" if error.filename and str(error.filename) != str(run_dir) else ""))
 
 
+class RunLockLost(RunBusy):
+    """This trainer's lock file was deleted or replaced while it trained: another trainer may hold the new one."""
+
+
 class RunLock:
     """The exclusive lock of one run directory (module docstring; musiclm_stab/locks.py), taken at
-    construction: RunBusy if another process (or another RunLock of this process) holds it, ConfigError if
-    the directory cannot be made. ``release`` (or the process's exit) frees it."""
+    construction: RunBusy if another process (or another RunLock of this process) holds it, or a tokenizer
+    is writing into the same folder; ConfigError if the directory cannot be made. ``check`` (before every
+    write) stops a trainer whose lock file was deleted or replaced; ``release`` (or the process's exit)
+    frees it."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -59,12 +66,13 @@ class RunLock:
         except OSError as e:
             raise _os_error(self.run_dir, e, "create the run directory") from None
         try:
-            self.lock = ProcessLock(path)
+            self.lock = writer_lock(self.run_dir, "train")
         except Held as e:
+            doing = "trained" if e.path == path else "written"  # a tokenizer's output being written there
             if e.this_process:
-                raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder} (this process)") from None
-            raise RunBusy(f"run directory {self.run_dir} is being trained by {e.holder}; wait for it to finish "
-                          f"or stop it (its lock, {path}, is released when that process exits), or choose "
+                raise RunBusy(f"run directory {self.run_dir} is being {doing} by {e.holder} (this process)") from None
+            raise RunBusy(f"run directory {self.run_dir} is being {doing} by {e.holder}; wait for it to finish "
+                          f"or stop it (its lock, {e.path}, is released when that process exits), or choose "
                           "another --train.name") from None
         except OSError as e:
             raise _os_error(self.run_dir, e, "lock") from None
@@ -72,6 +80,19 @@ class RunLock:
             self.lock.write_holder()
         except OSError:  # only the refusal message of another trainer reads it ("another process")
             pass
+
+    def check(self, doing: str) -> None:
+        """RunLockLost if the lock file was deleted or replaced since it was taken: another trainer may have
+        locked the new file and be writing the run, so this one must write nothing more (``doing``: what it
+        was about to write)."""
+        lost = self.lock.lost()
+        if lost is not None:
+            raise RunLockLost(
+                f"the lock of run directory {self.run_dir} ({self.lock.path}) was {lost} while this trainer "
+                f"held it, so another trainer may be writing the run now: stopped before {doing}, without "
+                "writing anything more. A lock file is never to be deleted: it is released when its process "
+                "exits, however that process ends. Once no other trainer runs in the directory, resume with "
+                "the same command and --resume.")
 
     def release(self) -> None:
         self.lock.release()
@@ -96,6 +117,12 @@ def on_main(accelerator, action, *args):
     return result
 
 
+def check_run_lock(accelerator, lock: RunLock | None, doing: str) -> None:
+    """``lock.check(doing)`` on the main process (which holds the run's lock; ``lock`` is None elsewhere), its
+    RunLockLost raised on every process as RunBusy (a collective: every process stops together)."""
+    on_main(accelerator, lambda: lock.check(doing))
+
+
 def lock_run_dir(accelerator, run_dir: Path) -> RunLock | None:
     """The run directory's lock, taken by the main process (None on the others); every process raises the
     same RunBusy (or ConfigError) when it could not be taken."""
@@ -105,14 +132,17 @@ def lock_run_dir(accelerator, run_dir: Path) -> RunLock | None:
 class MetricsWriter:
     """Appends one JSON row per logged step to metrics.jsonl (main process only). A row that cannot be
     written whole (a full disk) is taken back, so the file never holds a partial line, and the run stops
-    with MetricsWriteError."""
+    with MetricsWriteError. ``lock``, the run's: checked before every row (``RunLock.check``), so that a
+    trainer whose lock was taken from it adds no row beside another's."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, lock: RunLock | None = None):
+        self.path, self.enabled, self.lock = path, enabled, lock
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
+        if self.lock is not None:
+            self.lock.check(f"the metrics row of step {row.get('step')}")
         line = (json.dumps(row) + "\n").encode()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -165,6 +195,30 @@ def check_run_dir(cfg: Config, resume: bool, tokenizer_info: dict) -> None:
         old_tok = run_dir / "tokenizer.json"
         if old_tok.exists():
             check_same_tokenizer(read_run_json(old_tok), tokenizer_info, f"run {run_dir}", f"data {cfg.data.path}")
+
+
+def _data_paths(data: str | Path | list | None) -> list[str]:
+    """A data.path (one folder or several) as the list of its folders, resolved."""
+    return [str(Path(p).resolve()) for p in (data if isinstance(data, list) else [data]) if p is not None]
+
+
+def same_data(a: str | Path | list | None, b: str | Path | list | None) -> bool:
+    """Whether two data.path values (as given, or as an evaluation record names them) are the same folders."""
+    return bool(_data_paths(a)) and _data_paths(a) == _data_paths(b)
+
+
+def eval_record(run_dir: Path, step: int, split: str, data: str | Path | list, run_data: str | Path | list) -> Path:
+    """Where ``musiclm-stab evaluate`` keeps its result of ``split`` of ``data`` at ``step``, so that no
+    evaluation replaces another's: ``eval/step_N.json`` for the held-out split of the run's own data
+    (``run_data``: what the model card reads, and the only name earlier versions wrote, for any split),
+    ``eval/step_N.<split>.json`` for another split of it, ``eval/step_N.<split>.data-<8 hex>.json`` for other
+    data (a hash of its resolved folders)."""
+    name = f"step_{step:08d}"
+    if not same_data(data, run_data):
+        name += f".{split}.data-{hashlib.sha256(json.dumps(_data_paths(data)).encode()).hexdigest()[:8]}"
+    elif split != "eval":
+        name += f".{split}"
+    return Path(run_dir) / "eval" / f"{name}.json"
 
 
 def read_run_json(path: Path) -> dict:

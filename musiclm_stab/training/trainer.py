@@ -43,7 +43,10 @@ from musiclm_stab.training.resume import check_resumable, data_fingerprint
 from musiclm_stab.training.run_dir import (
     MetricsWriteError,
     MetricsWriter,
+    RunBusy,
+    RunLockLost,
     check_run_dir,
+    check_run_lock,
     global_batch,
     global_batch_crops,
     lock_run_dir,
@@ -77,6 +80,23 @@ class Trainer:
         except BaseException:
             self.release_run_dir()
             raise
+
+    def check_run_lock(self, doing: str) -> None:
+        """Stop, on every process, if the run directory's lock file was deleted or replaced (run_dir.RunLock.check:
+        another trainer may be writing the run): called before each metrics row and checkpoint. Collective."""
+        check_run_lock(self.accelerator, self.run_lock, doing)
+
+    def lost_run_lock(self, error: BaseException) -> RunLockLost | None:
+        """The RunLockLost to report instead of ``error`` (an exception that ended the loop) when the run's lock
+        file was deleted or replaced meanwhile: then another trainer may have caused ``error`` (e.g. by
+        removing a checkpoint write in progress as a crash's), and the lost lock is what to say (main process)."""
+        if self.run_lock is None or isinstance(error, RunBusy) or not isinstance(error, Exception):
+            return None
+        try:
+            self.run_lock.check(f"going on after {type(error).__name__}: {error}")
+        except RunLockLost as lost:
+            return lost
+        return None
 
     def release_run_dir(self) -> None:
         """Let another trainer have the run directory: at the end of ``run``, or when the start failed."""
@@ -156,6 +176,9 @@ class Trainer:
         # Not with the spike guard: each process judges spikes on its own loss, so processes may disagree on
         # a rollback, and the writer's wait before one is collective.
         self.checkpoints = CheckpointWriter(accelerator, self.run_dir, background=not tcfg.spike_guard)
+        # (through the lock, not the trainer: a reference from the writer back to the trainer would keep it, and
+        # the data loader's worker processes with it, alive past the end of the run)
+        self.checkpoints.before_publish = functools.partial(_before_publish, accelerator, self.run_lock)
 
         self.step, self.consumed, self.rollbacks = 0, 0, 0
         if resume:
@@ -338,7 +361,7 @@ class Trainer:
         acc.init_trackers(PROJECT, config=flat_config(cfg.to_dict()),
                           init_kwargs={"wandb": {"name": tcfg.name, "dir": str(self.run_dir)},
                                        "mlflow": {"run_name": tcfg.name}})
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process)
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", acc.is_main_process, self.run_lock)
         if acc.is_main_process:
             print(f"run {self.run_dir}: {count_parameters(self.model) / 1e6:.2f}M parameters, "
                   f"scheme={cfg.model.norm_scheme}, attention={cfg.model.attention}, "
@@ -355,8 +378,12 @@ class Trainer:
             self._loop(last_step, stop, bar, writer)
             self.checkpoints.wait()  # the last checkpoint is complete before the run ends
         except BaseException as error:
-            self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
+            lost = self.lost_run_lock(error)
+            if lost is None and not isinstance(error, RunBusy):  # RunBusy: the run's lock was taken from it
+                self.checkpoints.after_error(error)  # a finished write is published, not left for --resume to remove
             self.release_run_dir()
+            if lost is not None:  # what went wrong follows from that (another trainer removed a partial write...)
+                raise lost from error
             raise
         finally:
             bar.close()
@@ -404,6 +431,7 @@ class Trainer:
                 row = self.metrics_row(sums, interval, diag)
                 if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps):
                     row.update(self.evaluate_held_out())  # after the row's clock: not in audio_s_per_s
+                self.check_run_lock(f"the metrics row of step {self.step}")  # every process stops together
                 writer.write(row)
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}")
@@ -419,6 +447,7 @@ class Trainer:
                 self.save_checkpoint()
 
     def save_checkpoint(self) -> Path:
+        self.check_run_lock(f"checkpoint {self.step}")
         state = {"consumed_micro_batches": self.consumed, "num_processes": self.accelerator.num_processes,
                  "config": self.cfg.to_dict(), **self.data_identity}
         return self.checkpoints.save(self.step, state, self.cfg.train.keep_checkpoints, self.cfg.train.keep_every,
@@ -443,6 +472,10 @@ class Trainer:
         if diag:
             row.update({k: float(v) for k, v in diag.items()})
         return row
+
+
+def _before_publish(accelerator, lock, step: int) -> None:
+    check_run_lock(accelerator, lock, f"publishing checkpoint {step}")
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
