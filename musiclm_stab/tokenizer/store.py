@@ -268,7 +268,7 @@ class OutputDir:
     def replan(self, plan: dict) -> None:
         """Put an extended unit plan in force (plan.relist: the units done keep their tracks, new ones follow).
         The completion marker goes first: the output reads as unfinished until finalized with the new units."""
-        (self.out / METADATA_FILE).unlink(missing_ok=True)
+        remove_own(self.out / METADATA_FILE, self.out, "tokenized")
         self.update_job(plan=plan)
 
     def update_job(self, **fields: Any) -> None:
@@ -373,7 +373,7 @@ class OutputDir:
             warnings.warn(f"{self.out}: redoing {len(missing)} work unit(s) whose record is missing: "
                           + ", ".join(str(self.units_dir.relative_to(self.out) / f"u{k:06d}.json") for k in missing),
                           stacklevel=2)
-            (self.out / METADATA_FILE).unlink()
+            remove_own(self.out / METADATA_FILE, self.out, "tokenized")
         return missing
 
     # -- finishing ----------------------------------------------------------------------------------
