@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from musiclm_stab.config import Config
+    from musiclm_stab.config.sections import Config
     from musiclm_stab.export.features import FeatureModel, FrameFeatures
     from musiclm_stab.export.hubert import ExportResult
     from musiclm_stab.tokenizer.pipeline import TokenizeSummary
@@ -46,7 +46,7 @@ Settings = Mapping[str, Any] | Sequence[str] | None
 
 def recipes() -> list[str]:
     """The names of the recipes that ship with the package (training recipes and overlays)."""
-    from musiclm_stab.config import recipe_names
+    from musiclm_stab.config.recipes import recipe_names
 
     return recipe_names()
 
@@ -54,13 +54,13 @@ def recipes() -> list[str]:
 def recipe(name: PathLike) -> Path:
     """The YAML file of a recipe: a path to an existing file, or the name of a packaged recipe (``"tiny"``,
     ``"overlays/tiny"``). Raises ConfigError naming the packaged recipes when it is neither."""
-    from musiclm_stab.config import recipe_file
+    from musiclm_stab.config.recipes import recipe_file
 
     return recipe_file(name)
 
 
 def _overrides(settings: Settings) -> list[str]:
-    from musiclm_stab.config import setting_text
+    from musiclm_stab.config.loading import setting_text
 
     if settings is None:
         return []
@@ -72,7 +72,7 @@ def _overrides(settings: Settings) -> list[str]:
 def _in_python_words(message: str) -> str:
     """A message of the command line in the words of a Python caller of ``ms.train``: ``resume=True`` for
     ``--resume``, the setting in ``settings`` for ``--train.name`` (or ``--train.name=x``)."""
-    from musiclm_stab.config import SETTING_NAME
+    from musiclm_stab.config.sections import SETTING_NAME
 
     message = message.replace("the same command and --resume", "the same call with resume=True")
     message = re.sub(r"--resume\b", "resume=True", message)
@@ -83,7 +83,7 @@ def make_config(recipe: Recipes = "tiny", settings: Settings = None, *,
                 data: PathLike | Sequence[PathLike] | None = None) -> Config:
     """The resolved run configuration: ``recipe`` (one, or several layered in order: a recipe then
     overlays), then ``data`` (data.path), then ``settings``; validated (ConfigError names a bad setting)."""
-    from musiclm_stab.config import load_config, setting_text
+    from musiclm_stab.config.loading import load_config, setting_text
 
     names = [recipe] if isinstance(recipe, (str, Path)) else list(recipe)
     paths = data if isinstance(data, (str, Path)) else list(data or [])
@@ -113,7 +113,7 @@ def train(recipe: Recipes | Config = "tiny", settings: Settings = None, *,
     checkpoint. Several processes or GPUs: ``musiclm-stab train`` with accelerate's options (docs/TRAINING.md).
     Errors name ``resume=True`` and the settings where the command line's would name its options.
     """
-    from musiclm_stab.config import Config
+    from musiclm_stab.config.sections import Config
     from musiclm_stab.experiments.sweep import train_in_process
 
     if isinstance(recipe, Config) and (settings or data is not None):

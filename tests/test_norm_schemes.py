@@ -13,14 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from musiclm_stab.config import (
-    ATTENTION_FORMS,
-    NORM_SCHEMES,
-    NORM_TYPES,
-    ConfigError,
-    ModelConfig,
-    load_config,
-)
+from musiclm_stab.config import ConfigError, ModelConfig, load_config
+from musiclm_stab.config.model_section import ATTENTION_FORMS, NORM_SCHEMES, NORM_TYPES
 from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.attention import SelfAttention, attend

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from musiclm_stab import cli
-from musiclm_stab.config import PACKAGED_RECIPES, Config, ConfigError, load_config
+from musiclm_stab.config import Config, ConfigError, load_config
+from musiclm_stab.config.recipes import PACKAGED_RECIPES
 from musiclm_stab.experiments.train import launch_argv, split_arguments
 from musiclm_stab.training import trainer
 from musiclm_stab.training.arguments import parse_trainer_args
@@ -35,7 +36,7 @@ def _settings() -> list[tuple[str, dataclasses.Field]]:
 
 
 def test_help_lists_every_setting_with_type_default_and_meaning(capsys):
-    """`musiclm-stab train --help` names every setting of config.py, each with a type, the line its field
+    """`musiclm-stab train --help` names every setting of config/, each with a type, the line its field
     gives, and a default that is true: every default shown, given back as a setting, loads the default
     config; a per-size default shows each size's value."""
     text = _help_text(capsys)

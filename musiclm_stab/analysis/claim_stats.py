@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from musiclm_stab.analysis.runs import RunMetrics
-from musiclm_stab.config import OptimConfig
+from musiclm_stab.config.sections import OptimConfig
 
 # The four configurations of the claims, in the study's legend order, and the positive control.
 ROLES = ("clip10", "clip1", "deepnorm", "relax")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from musiclm_stab.config import ConfigError, config_from_run
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run
 from musiclm_stab.data import CropDataset, split_indices
 from musiclm_stab.data.loader import EVAL_BATCH_SIZE, EVAL_SEED, held_out_loader
 from musiclm_stab.host import default_device

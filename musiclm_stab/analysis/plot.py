@@ -110,7 +110,7 @@ from musiclm_stab.analysis.style import (
     marker_indices,
     style_x_axis,
 )
-from musiclm_stab.config import LOSS_UNITS
+from musiclm_stab.config.sections import LOSS_UNITS
 
 __all__ = ["PlotWarning", "RunMetrics", "cli_main", "make_figures", "plot_runs", "read_run", "run_label"]
 

@@ -67,7 +67,7 @@ from musiclm_stab.analysis.instability import EARLY_SHARE
 from musiclm_stab.analysis.learning import CLAIMS, MECH_ROLES, MECHANISM, LearningRun
 from musiclm_stab.analysis.power_rates import DEFAULT_RATES, Rates, measure_rates
 from musiclm_stab.analysis.runs import RunMetrics
-from musiclm_stab.config import load_config
+from musiclm_stab.config.loading import load_config
 
 UNIGRAM = 9.287458645197248  # the instability study's held-out unigram level (docs/STUDY.md)
 FINAL_GAIN = 0.3  # bits below the unigram level at H: the CPU study's runs were 0.24-0.41 below at step 1000

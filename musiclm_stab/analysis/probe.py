@@ -67,7 +67,7 @@ from musiclm_stab.analysis.probe_fit import (
     pitch_metrics,
 )
 from musiclm_stab.analysis.runs import run_label
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 from musiclm_stab.corpus.labels import GM_FAMILIES, KEY_NAMES
 from musiclm_stab.spawned import workers_for
 from musiclm_stab.threads import one_thread

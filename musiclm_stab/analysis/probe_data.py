@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from musiclm_stab.config import ConfigError, config_from_run
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run
 from musiclm_stab.constants import FRAME_RATE, SAMPLE_RATE
 from musiclm_stab.corpus.labels import KEY_NAMES, LABELS_FILE, CorpusLabels
 from musiclm_stab.export.features import FeatureModel, load_feature_model, resolve_layers

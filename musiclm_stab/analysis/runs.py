@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from musiclm_stab.config import LOSS_UNITS, SETTINGS_BEFORE_THEY_EXISTED
+from musiclm_stab.config.loading import SETTINGS_BEFORE_THEY_EXISTED
+from musiclm_stab.config.sections import LOSS_UNITS
 from musiclm_stab.model.norm_schemes import LEGEND
 from musiclm_stab.model.objective import is_loss_metric, unit_factor
 

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from musiclm_stab.config import Config
+from musiclm_stab.config.sections import Config
 from musiclm_stab.data import CropDataset, split_indices
 from musiclm_stab.data.loader import EVAL_SEED, held_out_loader
 

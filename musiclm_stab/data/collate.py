@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from musiclm_stab.config import DataConfig, ModelConfig
+from musiclm_stab.config.model_section import ModelConfig
+from musiclm_stab.config.sections import DataConfig
 from musiclm_stab.constants import SAMPLE_RATE
 from musiclm_stab.data.crops import seeded_rng
 from musiclm_stab.data.masking import same_mask_count, span_mask

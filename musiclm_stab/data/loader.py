@@ -10,7 +10,8 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 
-from musiclm_stab.config import Config, ConfigError
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.sections import Config
 from musiclm_stab.data.collate import Collator
 from musiclm_stab.data.crops import CropDataset, EpochSampler, split_indices
 from musiclm_stab.data.streaming import StreamingCrops

@@ -15,7 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from musiclm_stab.config import PACKAGED_RECIPES, Config, ConfigError, config_from_run
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run
+from musiclm_stab.config.recipes import PACKAGED_RECIPES
+from musiclm_stab.config.sections import Config
 from musiclm_stab.corpus.render import DEFAULT_RENDERER
 
 # The recipes and the training entry point ship inside the package (config.PACKAGED_RECIPES: package data), so

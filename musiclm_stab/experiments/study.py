@@ -48,7 +48,7 @@ from pathlib import Path
 
 import yaml
 
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 from musiclm_stab.experiments.launch import (
     STUDY_RENDERER,
     accelerate_executable,

@@ -22,7 +22,7 @@ from musiclm_stab.analysis.study_record import (
     read_record,
     run_codes_sha256,
 )
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 from musiclm_stab.host import machine
 
 __all__ = ["DATA_RECORD", "RUN_TIME_FILE", "check_study_data", "codes_of", "merge_records", "read_record",

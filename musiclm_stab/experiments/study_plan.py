@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from musiclm_stab.analysis.sweep_report import lr_text
-from musiclm_stab.config import Config, load_config
+from musiclm_stab.config.loading import load_config
+from musiclm_stab.config.sections import Config
 from musiclm_stab.experiments.launch import RECIPES, as_overrides, launch_command, shown
 
 # The study's runs in legend order: colour i of analysis/style.COLOURS is run i (blue, orange, green, pink).

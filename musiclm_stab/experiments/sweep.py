@@ -37,7 +37,10 @@ from musiclm_stab.analysis.sweep_report import (
     lr_text,
     write_outputs,
 )
-from musiclm_stab.config import NORM_SCHEMES, Config, ConfigError, load_config
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import load_config
+from musiclm_stab.config.model_section import NORM_SCHEMES
+from musiclm_stab.config.sections import Config
 from musiclm_stab.experiments.launch import (
     STUDY_RENDERER,
     add_job_options,

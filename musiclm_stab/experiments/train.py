@@ -18,7 +18,10 @@ import os
 import re
 import sys
 
-from musiclm_stab.config import SETTING_NAME, ConfigError, load_config, recipe_file
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import load_config
+from musiclm_stab.config.recipes import recipe_file
+from musiclm_stab.config.sections import SETTING_NAME
 from musiclm_stab.experiments.launch import accelerate_executable
 from musiclm_stab.training.arguments import ENTRY_MODULE, parse_trainer_args, trainer_parser
 

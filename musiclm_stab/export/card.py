@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from musiclm_stab.config import Config
+from musiclm_stab.config.sections import Config
 from musiclm_stab.constants import CODEBOOK_SIZE, FRAME_RATE, HOP_LENGTH, SAMPLE_RATE, __version__
 from musiclm_stab.export.exported import PAD_SAMPLES
 from musiclm_stab.training.run_dir import eval_record, same_data

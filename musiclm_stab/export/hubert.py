@@ -57,7 +57,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from musiclm_stab.config import ConfigError, ModelConfig, config_from_run
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run
+from musiclm_stab.config.model_section import ModelConfig
 from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH, SAMPLE_RATE
 from musiclm_stab.export.card import model_card
 from musiclm_stab.export.exported import HEADS_FILE, PAD_SAMPLES, PADDING_NOTE, SIDECAR, pad_for_export

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from musiclm_stab.config import ATTENTION_FORMS, ConfigError
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.model_section import ATTENTION_FORMS
 from musiclm_stab.model.fp16_arith import fp32, no_rounding
 from musiclm_stab.model.norm_schemes import make_norm
 

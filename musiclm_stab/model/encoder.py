@@ -8,7 +8,8 @@ import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from torch import nn
 
-from musiclm_stab.config import INIT_SCHEMES, ConfigError, ModelConfig
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.model_section import INIT_SCHEMES, ModelConfig
 from musiclm_stab.model.attention import SelfAttention, fast_dropout
 from musiclm_stab.model.fp16_arith import fp32
 from musiclm_stab.model.norm_schemes import SchemeSpec, make_norm, resolve_scheme

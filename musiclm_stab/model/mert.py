@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from musiclm_stab.config import ModelConfig
+from musiclm_stab.config.model_section import ModelConfig
 from musiclm_stab.constants import SAMPLE_RATE
 from musiclm_stab.model.attention import fast_dropout
 from musiclm_stab.model.cqt import CQT

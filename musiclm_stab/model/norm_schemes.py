@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from musiclm_stab.config import NORM_SCHEMES, NORM_TYPES, ConfigError
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.model_section import NORM_SCHEMES, NORM_TYPES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The trainer's command line: recipes (``--config``), ``--resume``, ``--print-config`` and every setting as
 ``--section.key=value``, each listed by ``--help`` with its type, default and what it does (read from the
-fields of config.py, the one place a setting is described). Light: no torch, so ``musiclm-stab train --help``
+fields of config/, the one place a setting is described). Light: no torch, so ``musiclm-stab train --help``
 answers at once.
 
     musiclm-stab train [ACCELERATE OPTIONS --] [--config RECIPE ...] [--resume] [--print-config] [--s.key=value ...]
@@ -16,7 +16,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from musiclm_stab.config import SIZE_DEFAULTS, Config, recipe_names, setting_text
+from musiclm_stab.config.loading import setting_text
+from musiclm_stab.config.model_section import SIZE_DEFAULTS
+from musiclm_stab.config.recipes import recipe_names
+from musiclm_stab.config.sections import Config
 
 PROG = "musiclm-stab train"
 ENTRY_MODULE = "musiclm_stab.recipes.pretrain"  # what `musiclm-stab train` runs under accelerate launch
@@ -57,7 +60,7 @@ def _default(section: str, name: str, value: Any) -> str:
 
 
 def setting_lines() -> list[tuple[str, str, str, str]]:
-    """Every setting as (``section.key``, type, default, description), in config.py's order."""
+    """Every setting as (``section.key``, type, default, description), in Config's order."""
     out = []
     for section, cls in typing.get_type_hints(Config).items():
         hints = typing.get_type_hints(cls)
@@ -103,7 +106,7 @@ def trainer_parser() -> argparse.ArgumentParser:
 
 def parse_trainer_args(argv: list[str] | None) -> TrainerArgs:
     """The trainer's arguments; argparse's usage error (exit 2) for anything that is not one. A setting that
-    is not one of config.py's is passed on as an override, so that load_config names the valid keys."""
+    is not one of config/'s is passed on as an override, so that load_config names the valid keys."""
     parser = trainer_parser()
     args, rest = parser.parse_known_args(argv)
     bad = [r for r in rest if not (r.startswith("--") and "=" in r)]

@@ -56,7 +56,7 @@ from accelerate.utils import (
     gather_object,
 )
 
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.output_errors import OS_ERROR_IN_TEXT as _OS_ERROR_IN_TEXT
 from musiclm_stab.removal import discard_temporary, move_aside, remove_own

@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import RNG_STATE_NAME
 from accelerate.utils import load as accelerate_load
 
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 from musiclm_stab.training import registered
 from musiclm_stab.training.registered import Registered, RegisteredStateError
 

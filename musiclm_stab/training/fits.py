@@ -1,6 +1,6 @@
 """Settings that are valid alone but do not fit the data or the machine, refused before any work.
 
-The config's own checks (config.py) cannot know the data or the machine. At the start of a run, before
+The config's own checks (config/) cannot know the data or the machine. At the start of a run, before
 the run directory is touched or the model built, the trainer checks here that
 
 - the model's acoustic heads fit the data's codes: ``model.num_codebooks`` and ``model.codebook_size`` are
@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from musiclm_stab.config import Config, ConfigError
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.sections import Config
 from musiclm_stab.constants import FRAME_RATE, HOP_LENGTH
 
 GIB = 2**30

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from musiclm_stab.config import ModelConfig
+from musiclm_stab.config.model_section import ModelConfig
 from musiclm_stab.model.objective import objective
 
 

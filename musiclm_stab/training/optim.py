@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from musiclm_stab.config import OptimConfig
+from musiclm_stab.config.sections import OptimConfig
 
 
 def frontend_groups(model: torch.nn.Module, params: list, cfg: OptimConfig) -> list:

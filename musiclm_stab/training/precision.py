@@ -46,7 +46,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from musiclm_stab.config import Config, ConfigError, TrainConfig
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.sections import Config, TrainConfig
 from musiclm_stab.model.fp16_arith import Fp16Emulation, emulation, round_fp16, round_parameters_
 from musiclm_stab.training.loss_scaler import DynamicLossScaler
 

@@ -13,7 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from musiclm_stab.config import Config, ConfigError
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.sections import Config
 
 DATA_POSITION_KEYS = (("data", "batch_size"), ("data", "crop_seconds"), ("data", "eval_fraction"),
                       ("data", "streaming"), ("data", "shuffle_buffer"), ("train", "grad_accum"), ("train", "seed"))

@@ -25,7 +25,9 @@ import json
 import os
 from pathlib import Path
 
-from musiclm_stab.config import Config, ConfigError, config_from_run, save_config
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run, save_config
+from musiclm_stab.config.sections import Config
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.locks import WRITERS, Held, writer_lock
 from musiclm_stab.removal import discard_temporary, move_tail_aside

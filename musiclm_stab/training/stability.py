@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from musiclm_stab.config import OptimConfig, TrainConfig
+from musiclm_stab.config.sections import OptimConfig, TrainConfig
 from musiclm_stab.model.attention import SelfAttention
 from musiclm_stab.model.fp16_arith import no_rounding
 

@@ -8,7 +8,7 @@ import time
 import torch
 from accelerate import Accelerator
 
-from musiclm_stab.config import ConfigError
+from musiclm_stab.config.checks import ConfigError
 
 
 def tracker_names(trackers: list[str]) -> list[str] | None:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from musiclm_stab.config import Config, ConfigError, config_from_run
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_from_run
+from musiclm_stab.config.sections import Config
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.training.checkpoint import STATE_FILE, newest_valid, verify
 

@@ -27,7 +27,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from musiclm_stab.config import Config, ConfigError, config_yaml, load_config
+from musiclm_stab.config.checks import ConfigError
+from musiclm_stab.config.loading import config_yaml, load_config
+from musiclm_stab.config.sections import Config
 from musiclm_stab.data.loader import build_data, held_out_loader, micro_batches
 from musiclm_stab.model import MusicMLM, count_parameters
 from musiclm_stab.training import checkpoint, checkpoint_load
