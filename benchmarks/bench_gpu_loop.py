@@ -86,7 +86,7 @@ def main() -> None:
                  f"--train.fp16_mode={fp16_mode}", f"--train.output_dir={runs}", "--train.name=loop",
                  f"--train.max_steps={args.steps}", "--train.stop_at=null", f"--train.log_every={args.log_every}",
                  f"--train.checkpoint_every={ckpt_every}", "--train.eval_every=0", "--data.eval_fraction=0",
-                 "--train.global_batch_crops=null"]
+                 "--train.global_batch_crops=null", "--optim.warmup_steps=null"]  # the warmup a share of the run
     if "gemm" in case.levers or "cudnnbench" in case.levers:
         sys.exit("error: the real loop has no switch for a lever; measure levers with bench_gpu.py")
     cmd = launch_command(configs, overrides, accelerate=accelerate_executable())

@@ -322,7 +322,7 @@ def test_model_card_reads_only_the_held_out_record_of_the_runs_own_data(tmp_path
     assert "**9.750 bits** at step 1, evaluated during training" in card and "1.234" not in card
     (run / "eval" / "step_00000001.json").write_text(json.dumps({**record, "split": "eval"}))
     export(run, tmp_path / "hf", seconds=2, overwrite=True)
-    assert "**1.234 bits** at step 1, on the eval split of `work/bach_tokens`" in (tmp_path / "hf" / "README.md").read_text()
+    assert "**1.234 bits** at step 1, on the eval split of `bach_tokens`" in (tmp_path / "hf" / "README.md").read_text()
 
 
 def test_export_without_transformers_names_the_extra(tmp_path):

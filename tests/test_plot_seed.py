@@ -197,7 +197,7 @@ def test_bands_keep_a_dead_seed_out_of_the_healthy_mean(tmp_path):
     dirs = []
     for s in range(3):
         rows = synthetic_rows(600, 10, seed=s)
-        dirs.append(write_run(tmp_path, f"s{s}", make_config(**{"train.seed": s}),
+        dirs.append(write_run(tmp_path, f"s{s}", make_config(**{"train.seed": s, "train.run": 1}),
                               dying(rows, 200) if s == 1 else rows))
     ax = make_figures(dirs, bands=True)["loss"].axes[0]
     healthy, dead = run_lines(ax)
@@ -255,7 +255,7 @@ def _lr_run(root: Path, name: str, lr: float, final: float, *, dead_at: int | No
     if rising:  # the training loss ends above its start, with no floor event: diverged by the claims' rule
         for row in rows[-3:]:
             row["loss"] = 5.0
-    cfg = make_config(**{"optim.lr": lr, "optim.clip_grad": clip, "train.seed": seed})
+    cfg = make_config(**{"optim.lr": lr, "optim.clip_grad": clip, "train.seed": seed, "train.run": 1})
     return write_run(root, name, cfg, rows)
 
 

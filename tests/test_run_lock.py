@@ -223,7 +223,7 @@ def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_ord
     """The lock bypassed as the issue did it: trainer A is held after update 4 (rows 1-3 written, checkpoint 2
     published), its lock file is deleted, and a `--resume` B locks a new one and trains to step 6. Let go, A
     stops before its next write with exit 2 and one line saying its lock was deleted and why that stops it,
-    writing no row or checkpoint more: the metrics are A's rows 1-3, then B's from its checkpoint on (before: A
+    writing no row or checkpoint more: the metrics are A's rows 1-2, then B's from its checkpoint on, A's row 3 moved aside by B's resume (before: A
     went on beside B, steps interleaved, and died on B's checkpoints with a misleading message)."""
     from musiclm_stab.analysis.runs import read_run
 
@@ -247,7 +247,9 @@ def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_ord
                                 "or replaced while this trainer held it, so another trainer may be writing the run now: "
                                 "stopped before the metrics row of step 4, without writing anything more."), errors
     assert (run_dir / "metrics.jsonl").read_bytes() == after_b
-    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 3, 4, 5, 6]
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
+    (aside,) = run_dir.glob("metrics.jsonl.aside-*")  # A's row 3, past B's checkpoint 2, moved aside by B
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [3]
     assert sorted(c.name for c in checkpoint.list_checkpoints(run_dir)) == published
     assert published[-1] == "step_00000006"
     assert list(read_run(run_dir).series["loss"][0]) == list(range(1, 7))

@@ -370,10 +370,11 @@ def learning_study(scale: str, runs_dir: str | Path = "runs", data: str | Path |
 def _short_run_overrides(configs: list[Path], overrides: list[str], steps: int) -> list[str]:
     """--steps at cpu/gpu scale: warmup a tenth of the run, one checkpoint at its end, evaluation and
     diagnostics about every tenth of it (a multiple of train.log_every, as the config requires)."""
-    log_every = load_config(configs, overrides).train.log_every
+    warmup = f"--optim.warmup_steps={max(1, steps // 10)}"  # before loading: the recipe's may outlast the run
+    log_every = load_config(configs, [*overrides, warmup]).train.log_every
     every = max(log_every, (steps // 10) // log_every * log_every)
-    return [f"--optim.warmup_steps={max(1, steps // 10)}", f"--train.checkpoint_every={steps}",
-            f"--train.eval_every={every}", f"--train.diagnostics_every={every}"]
+    return [warmup, f"--train.checkpoint_every={steps}", f"--train.eval_every={every}",
+            f"--train.diagnostics_every={every}"]
 
 
 def merge_overrides(overrides: list[str]) -> list[str]:
