@@ -31,10 +31,9 @@ PART = "parts/u000000.arrow"
 def own_cache(tmp_path, monkeypatch):
     """Each test has its own user cache (where checked parts are remembered) and an empty in-process one."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user_cache"))
-    import musiclm_stab.data.tokenized as tokenized
+    import musiclm_stab.data.part_checks as part_checks
 
-    if hasattr(tokenized, "_VERIFIED"):
-        tokenized._VERIFIED.clear()
+    part_checks._VERIFIED.clear()
 
 
 @pytest.fixture
@@ -218,27 +217,27 @@ def test_parts_are_hashed_once_and_remembered_outside_the_dataset(copy, tmp_path
     """The first load hashes each part; later loads (a new process: the in-process memory cleared) only stat
     them, remembering under the user's cache dir, never in the dataset folder; a part changed since is hashed
     again; an unwritable cache dir costs a warning, not the load."""
-    import musiclm_stab.data.tokenized as tokenized
+    import musiclm_stab.data.part_checks as part_checks
 
     hashed = []
-    real = tokenized.file_sha256
-    monkeypatch.setattr(tokenized, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    real = part_checks.file_sha256
+    monkeypatch.setattr(part_checks, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
     listing = sorted((p.relative_to(copy), p.stat().st_mtime_ns) for p in copy.rglob("*"))
     load_tokenized(copy)
     assert hashed == ["u000000.arrow"]
     assert sorted((p.relative_to(copy), p.stat().st_mtime_ns) for p in copy.rglob("*")) == listing
     assert list((tmp_path / "user_cache" / "musiclm_stab").rglob("*.json"))
-    tokenized._VERIFIED.clear()
+    part_checks._VERIFIED.clear()
     load_tokenized(copy)
     assert hashed == ["u000000.arrow"]  # remembered
     os.utime(copy / PART)  # touched: maybe changed
-    tokenized._VERIFIED.clear()
+    part_checks._VERIFIED.clear()
     load_tokenized(copy)
     assert hashed == ["u000000.arrow"] * 2
 
     (tmp_path / "not_a_dir").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not_a_dir"))
-    tokenized._VERIFIED.clear()
+    part_checks._VERIFIED.clear()
     with pytest.warns(UserWarning, match="could not remember"):
         load_tokenized(copy)
     assert len(hashed) == 3

@@ -9,7 +9,7 @@ any machine, after checking that it holds the same rows (ids, tracks, shapes) an
 Only the codes change: the audio (``pcm``) stays the one decoded here. The dataset's tokenizer.json
 records the restore (the file, its sha256, the codes this machine had made, how many codes differed)
 and its per-codebook usage is recomputed; the rewritten parts' sizes and sha256 replace the old ones in
-tokenizer.json, the unit records and state.json's fingerprint, so the data checks (data/tokenized.py
+tokenizer.json, the unit records and state.json's fingerprint, so the data checks (data/part_checks.py
 ``check_parts``) hold after a restore.
 """
 
@@ -28,21 +28,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from musiclm_stab.data.tokenized import (
-    IDENTITY_KEYS,
+from musiclm_stab.data.mixing import IDENTITY_KEYS
+from musiclm_stab.data.part_checks import check_parts, dataset_fingerprint, file_sha256
+from musiclm_stab.data.tokenized import codes_sha256, load_tokenized, sha256_of_codes
+from musiclm_stab.data.tokenized_format import (
     METADATA_FILE,
     RESTORED_KEY,
     RESTORING_KEY,
     STATE_DIR,
     _data_files,
-    check_parts,
     codebook_usage,
-    codes_sha256,
-    dataset_fingerprint,
-    file_sha256,
-    load_tokenized,
     read_info,
-    sha256_of_codes,
 )
 from musiclm_stab.durable import fsync_dir, fsync_file
 from musiclm_stab.host import machine
