@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from musiclm_stab.analysis import learning
+from musiclm_stab.analysis import learning, learning_params, learning_report
 from musiclm_stab.analysis.decide import ABSENT, INCONCLUSIVE, NOT_TESTABLE, REFUTED, REPRODUCED
 from musiclm_stab.analysis.learning import (
     CLAIMS,
@@ -47,12 +49,13 @@ def config(stem: str, *overrides: str) -> dict:
 
 
 def claims_config(stem: str, *overrides: str, warmup: bool = True) -> dict:
-    return config(stem, f"--optim.lr={learning.L}", f"--train.max_steps={learning.H}",
-                  f"--optim.warmup_steps={round(0.08 * learning.H) if warmup else 0}", *overrides)
+    return config(stem, f"--optim.lr={learning_params.L}", f"--train.max_steps={learning_params.H}",
+                  f"--optim.warmup_steps={round(0.08 * learning_params.H) if warmup else 0}", *overrides)
 
 
 def mech_config(stem: str, *overrides: str) -> dict:
-    return config(stem, f"--optim.lr={learning.MECH_LR}", f"--train.max_steps={learning.MECH_STEPS}", *overrides)
+    return config(stem, f"--optim.lr={learning_params.MECH_LR}", f"--train.max_steps={learning_params.MECH_STEPS}",
+                  *overrides)
 
 
 def test_learning_role_reads_the_plans_configs():
@@ -70,12 +73,13 @@ def test_learning_role_reads_the_plans_configs():
     assert learning_role(claims_config("post", warmup=False)) == (CLAIMS, "post_nw")
     assert learning_role(claims_config("clip1", "--model.num_layers=24")) == (CLAIMS, "clip1_24L")
     assert learning_role(claims_config("post", "--model.num_layers=24", warmup=False)) == (CLAIMS, "post_nw_24L")
-    three = f"--optim.lr={3 * learning.L}"  # the control's rule may run it at 3L (docs/STUDY.md)
-    assert learning_role(claims_config("clip1", three)) == (CLAIMS, f"clip1_lr{lr_text(3 * learning.L)}")
+    three = f"--optim.lr={3 * learning_params.L}"  # the control's rule may run it at 3L (docs/STUDY.md)
+    at3 = lr_text(3 * learning_params.L)
+    assert learning_role(claims_config("clip1", three)) == (CLAIMS, f"clip1_lr{at3}")
     assert learning_role(claims_config("post", three, "--model.num_layers=24", warmup=False)) == (
-        CLAIMS, f"post_nw_24L_lr{lr_text(3 * learning.L)}")
-    assert learning.control_roles(24, 3 * learning.L)["pre_w"] == f"clip1_24L_lr{lr_text(3 * learning.L)}"
-    assert learning.role_title("post_nw_24L_lr3e-2") == "Post-Norm, clip 1, no warmup (24L, lr3e-2)"
+        CLAIMS, f"post_nw_24L_lr{at3}")
+    assert learning.control_roles(24, 3 * learning_params.L)["pre_w"] == f"clip1_24L_lr{at3}"
+    assert learning_report.role_title("post_nw_24L_lr3e-2") == "Post-Norm, clip 1, no warmup (24L, lr3e-2)"
     assert learning_role(mech_config("clip1")) == (MECHANISM, "m_fp16")
     assert learning_role(mech_config("clip1", "--optim.warmup_steps=30")) == (MECHANISM, "m_warmup")
     assert learning_role(mech_config("clip1", "--train.mixed_precision=no")) == (MECHANISM, "m_fp32")
@@ -86,9 +90,10 @@ def test_learning_role_reads_the_plans_configs():
     base = {"claims": claims_config("clip1"), "deepnorm": claims_config("deepnorm"), "relax": claims_config("relax"),
             "mech": mech_config("clip1"),
             "post": mech_config("post")}
-    for what, key, changes in (("claims", "model", {"qk_norm": True}), ("claims", "optim", {"lr": 2 * learning.L}),
-                               ("relax", "optim", {"lr": 3 * learning.L}),
-                               ("claims", "train", {"max_steps": learning.H + 1}),
+    for what, key, changes in (("claims", "model", {"qk_norm": True}),
+                               ("claims", "optim", {"lr": 2 * learning_params.L}),
+                               ("relax", "optim", {"lr": 3 * learning_params.L}),
+                               ("claims", "train", {"max_steps": learning_params.H + 1}),
                                ("claims", "train", {"fp16_mode": "amp"}), ("claims", "train", {"mixed_precision": "bf16"}),
                                ("deepnorm", "optim", {"warmup_steps": 0}), ("deepnorm", "model", {"num_layers": 24}),
                                ("mech", "model", {"num_layers": 24}), ("post", "optim", {"clip_grad": 1.0}),
@@ -110,11 +115,12 @@ def run(role: str, seed: int, arm: str = CLAIMS, *, early: float = 70.0, share: 
     diverged = kind == "diverged"
     return LearningRun(
         path=f"{arm}/{role}_s{seed}", role=role, seed=seed,
-        lr=lr if lr is not None else learning.L if arm == CLAIMS else learning.MECH_LR,
+        lr=lr if lr is not None else learning_params.L if arm == CLAIMS else learning_params.MECH_LR,
         precision="fp16 (fairseq)", kind=kind, kind_step=step, kind_why="", early_loss=early, clip_share_early=share,
         median_grad_norm=grad, recovered_spike=False, cascades=cascades, diverged=diverged,
         final_eval_cb0=math.nan if diverged else final, cap=cap, headroom={"attn_logit": attn}, arm=arm, layers=8,
-        max_steps=max_steps, learned=arm == CLAIMS and kind == "none" and final <= UNIGRAM - learning.MARGIN_LEARNED,
+        max_steps=max_steps,
+        learned=arm == CLAIMS and kind == "none" and final <= UNIGRAM - learning_params.MARGIN_LEARNED,
         spike_steps=list(spikes), spike_recovered=[recovered] * len(spikes), spike_own=[True] * len(spikes))
 
 
@@ -169,12 +175,13 @@ def test_the_control_detects_a_planted_interaction_and_calls_none_absent():
     found = control_of(blocks)
     assert found["interaction"][0] == pytest.approx(10.4 - blocks[0]["post_w"].final_eval_cb0)
     assert found["failed"] == {"pre_w": 0, "pre_nw": 0, "post_w": 0, "post_nw": 1}
-    at3 = learning.control_roles(8, 3 * learning.L)  # the control run at 3L: in its seed's block
-    runs = [run(r, s, final=9.0 + 0.5 * (c == "post_nw"), lr=3 * learning.L) for s in range(8) for c, r in at3.items()]
+    at3 = learning.control_roles(8, 3 * learning_params.L)  # the control run at 3L: in its seed's block
+    runs = [run(r, s, final=9.0 + 0.5 * (c == "post_nw"), lr=3 * learning_params.L)
+            for s in range(8) for c, r in at3.items()]
     runs += [run(r, s) for s in range(8) for r in ("clip10", "clip1", "deepnorm", "relax")]
     blocks = arm_blocks(runs, CLAIMS)
     assert list(blocks) == list(range(8)) and len(blocks[0]) == 8
-    assert control_of(blocks, 8, 3 * learning.L)["detects"] and not control_of(blocks)["seeds"]
+    assert control_of(blocks, 8, 3 * learning_params.L)["detects"] and not control_of(blocks)["seeds"]
 
 
 def claims_blocks(seed: int = 0, **plant) -> dict:
@@ -285,7 +292,8 @@ def test_the_command_on_run_directories(tmp_path, monkeypatch):
     level), one Pre-LN m_fp16 run diverging at step 23, and a run with no role. claims.md has the control first,
     then the claims, the mechanism checks (the failure's place: the residual stream at 0.4 at step 20) and the
     roles; claims.json the endpoints; --doc fills the markers; a missing folder exits 2; --unigram is required."""
-    monkeypatch.setattr(learning, "H", 40)
+    for where in (learning_params, learning):  # the configs' horizon, and the one learning_role reads
+        monkeypatch.setattr(where, "H", 40)
     rng = np.random.default_rng(0)
     root = tmp_path / "runs"
     stems = {"clip10": ("clip10", True), "clip1": ("clip1", True), "deepnorm": ("deepnorm", True),
@@ -322,3 +330,21 @@ def test_the_command_on_run_directories(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as refused:
         cli_main([str(root), "--out", str(tmp_path / "x")])
     assert refused.value.code == 2
+
+
+def test_the_parameters_live_in_learning_params_and_learning_hands_them_on():
+    """Each pre-registered parameter is analysis/learning_params.py's (the one file the pre-registration fixes),
+    and ``from musiclm_stab.analysis.learning import L`` (or any other of them) gives the same value."""
+    names = {n for n in vars(learning_params) if n.isupper()}
+    assert {"L", "H", "DELTA_EARLY", "CONTROL_LAYERS", "CONTROL_LR", "MARGIN_LEARNED", "MECH_CHECKS"} <= names
+    assert {n: getattr(learning, n) for n in names} == {n: getattr(learning_params, n) for n in names}
+    assert names <= set(learning.__all__)
+
+
+def test_the_documented_command_runs_as_a_module():
+    """``python -m musiclm_stab.analysis.learning``, the command its docstring documents, still runs its command
+    line now that its tables are learning_report.py's."""
+    done = subprocess.run([sys.executable, "-m", "musiclm_stab.analysis.learning", "--help"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m musiclm_stab.analysis.learning") and "--control-lr" in done.stdout

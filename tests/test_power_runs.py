@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from musiclm_stab.analysis import learning, power_rates, power_runs
+from musiclm_stab.analysis import learning, learning_params, power_rates, power_runs
 from musiclm_stab.analysis.claims import _plain
 from musiclm_stab.analysis.decide import REPRODUCED
 from musiclm_stab.analysis.runs import read_run
@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def short(monkeypatch):
     """A 60-step horizon for arm claims (the design's H is a placeholder; the simulation follows it)."""
-    monkeypatch.setattr(learning, "H", 60)
+    for where in (learning_params, learning):  # the simulated configs' horizon, and learning_role's
+        monkeypatch.setattr(where, "H", 60)
 
 
 def test_simulated_runs_are_what_read_run_makes_of_their_directories(tmp_path, short):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from musiclm_stab.analysis import learning
+from musiclm_stab.analysis import learning, learning_params
 from musiclm_stab.analysis.learning import learning_role
 from musiclm_stab.experiments import study_plan
 from musiclm_stab.experiments.study_plan import (
@@ -32,7 +32,7 @@ def test_the_mechanism_arm_comes_first_then_the_claims_arm_seed_by_seed(tmp_path
     claims = [r for r in runs if LEARNING_ROLES[r.stem][0] == "claims"]
     assert len(mech) == 5 * 2 and len(claims) == 7 * 2 and runs == mech + claims
     assert [r.seed for r in claims] == sorted(r.seed for r in claims)
-    assert {r.lr for r in mech} == {learning.MECH_LR} and {r.lr for r in claims} == {learning.L}
+    assert {r.lr for r in mech} == {learning_params.MECH_LR} and {r.lr for r in claims} == {learning_params.L}
     names = [r.config().run_dir.name for r in runs]
     assert len(set(names)) == len(names)
     assert all(r.config().run_dir.parent == tmp_path / "learning_cpu" for r in runs)
@@ -55,7 +55,7 @@ def test_each_role_is_the_configuration_it_names(tmp_path):
         "post", 10.0, "math")
     assert cfg["m_post10_relax"].model.attention == "relax"
     horizon = cfg["clip1"].train.max_steps
-    assert horizon == learning.H
+    assert horizon == learning_params.H
     for role in ("clip10", "clip1", "deepnorm", "relax", "pre_nw", "post_w", "post_nw"):
         c = cfg[role]
         assert c.train.max_steps == horizon and c.train.log_every == 1 and c.model.num_layers == 8, role
@@ -85,12 +85,12 @@ def test_a_control_moved_by_its_rule_runs_there_beside_the_claims_clip1(tmp_path
     """When the pilots' rule sends the control to 24 layers or to 3L, its four roles run there (Pre-LN with warmup
     as a run of its own), the claims arm's clip 1 stays at 8 layers and L, and the analysis reads the control's
     four from their configs at that setting."""
-    lr = rate * learning.L
-    monkeypatch.setattr(learning, "CONTROL_LAYERS", layers)
-    monkeypatch.setattr(learning, "CONTROL_LR", lr)
+    lr = rate * learning_params.L
+    monkeypatch.setattr(learning_params, "CONTROL_LAYERS", layers)
+    monkeypatch.setattr(learning_params, "CONTROL_LR", lr)
     study = _plan(tmp_path, seeds=1, only=CONTROL_ROLES)
     got = sorted((r.stem, r.config().model.num_layers, r.lr) for r in study.runs)
-    assert got == sorted([("clip1", 8, learning.L), ("clip1", layers, lr), ("post_nw", layers, lr),
+    assert got == sorted([("clip1", 8, learning_params.L), ("clip1", layers, lr), ("post_nw", layers, lr),
                           ("post_w", layers, lr), ("pre_nw", layers, lr)])
     assert len({r.config().run_dir.name for r in study.runs}) == 5
     cells = learning.control_roles(layers, lr)

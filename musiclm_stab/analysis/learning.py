@@ -82,6 +82,11 @@ fp16's range, not the optimization). M3 relax where it can act: m_post10_relax a
 Also reported: per role the runs that learned, final held-out cb0 mean [min, max], failures by kind and
 step, cascades, own and shared spike events, headroom maxima; the share of arm ``claims``'s runs that did
 not diverge or lose their input that learned (issue 55's "done when": at least half).
+
+Where it lives: the parameters named above in analysis/learning_params.py (what the pre-registration fixes;
+they are handed on from here too); the roles in words, the tables of claims.md and claims.json's form in
+analysis/learning_report.py; here the roles, the per-run endpoints, the blocks, the analysis, ``write_claims``
+and the command line.
 """
 
 from __future__ import annotations
@@ -97,57 +102,61 @@ from pathlib import Path
 import numpy as np
 
 from musiclm_stab.analysis.claim_stats import ROLES, logged, precision_of, role_of, spike_events, warmup_steps
-from musiclm_stab.analysis.claims import _diff, _ln, _plain, fill_doc, part_text, read_runs, runs_by_block
-from musiclm_stab.analysis.decide import ALPHA, NOT_TESTABLE, MarginClaim, MarginPart, decide_margins
+from musiclm_stab.analysis.claims import _diff, _ln, fill_doc, read_runs, runs_by_block
+from musiclm_stab.analysis.decide import ALPHA, MarginClaim, MarginPart, decide_margins
 from musiclm_stab.analysis.instability import (
     CLIP_SHARE_MIN,
     MIN_BLOCKS,
     POST,
     SHORT,
-    TITLES,
     Endpoints,
     endpoints,
     headroom_place,
-    headroom_text,
     num_text,
     role6,
+)
+from musiclm_stab.analysis.learning_params import (
+    CLAIMS,
+    CLAIMS_LAYERS,
+    CONTROL_CELLS,
+    CONTROL_LAYERS,
+    CONTROL_LR,
+    CONTROL_LRS,
+    CONTROL_MARGIN,
+    DELTA_COUNT,
+    DELTA_EARLY,
+    DELTA_LN_GRAD,
+    DELTA_STEPS,
+    MARGIN_LEARNED,
+    MECH_CHECKS,
+    MECH_LR,
+    MECH_ROLES,
+    MECH_STEPS,
+    MECHANISM,
+    RELAX_ACTS,
+    SHARED_STEPS,
+    H,
+    L,
+)
+from musiclm_stab.analysis.learning_report import (
+    DOC_BEGIN,
+    DOC_END,
+    ROLE_TITLES,
+    markdown,
+    role_order,
+    run_json,
+    to_json,
 )
 from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.analysis.sweep_report import lr_text
 
-# Fixed by the calibration, docs/STUDY.md (placeholders until the lead sets them after the calibration run).
-L = 1e-2  # the claims arm's peak lr
-H = 500  # the claims arm's horizon, steps
-DELTA_EARLY = 0.7  # bits: (a) and (d)-slower's margin, 1% of the calibration's early loss
-
-# Fixed by the design (docs/STUDY.md).
-MARGIN_LEARNED = 0.1  # bits below the unigram level the final held-out cb0 must reach: learned
-CONTROL_MARGIN = 0.1  # bits: the positive control's interaction is absent within +-this
-DELTA_LN_GRAD = 0.1  # (b): ln median grad norm
-DELTA_COUNT = 0.5  # (c), (d)-steadier: events per run
-DELTA_STEPS = 10  # the mechanism checks: steps survived
-SHARED_STEPS = 3  # a spike within this many steps of another role's in the block is a shared hard batch
-RELAX_ACTS = 0.1  # attention-logit headroom below which relax equals plain attention
-CLAIMS_LAYERS = 8
-MECH_LR = 1e-1
-MECH_STEPS = 120
-CONTROL_LRS = (L, 3 * L)  # the control's rates by its pre-registered rule (docs/STUDY.md): L, else 3L
-CONTROL_LAYERS = CLAIMS_LAYERS  # the control's depth: fixed by the pilots' rule (docs/STUDY.md)
-CONTROL_LR = L  # the control's rate: fixed by the pilots' rule (docs/STUDY.md), one of CONTROL_LRS
-
-CLAIMS, MECHANISM = "claims", "mechanism"
-CONTROL_CELLS = ("pre_w", "pre_nw", "post_w", "post_nw")
-MECH_ROLES = ("m_fp16", "m_warmup", "m_fp32", "m_post10", "m_post10_relax")
-MECH_CHECKS = (("M1", "warmup delays or prevents the Pre-LN failure", "m_warmup", "m_fp16"),
-               ("M2", "in fp32 the same run survives longer: the failure is fp16's range, not the optimization",
-                "m_fp32", "m_fp16"),
-               ("M3", "relax delays or prevents Post-Norm's attention-logit failure", "m_post10_relax", "m_post10"))
-ROLE_TITLES = {**TITLES, "clip1": "Pre-Norm, clip 1 (warmup)", "pre_nw": "Pre-Norm, clip 1, no warmup",
-               "post_w": "Post-Norm, clip 1, warmup", "post_nw": "Post-Norm, clip 1, no warmup",
-               "m_fp16": "Pre-Norm clip 1, fp16, no warmup", "m_warmup": "Pre-Norm clip 1, fp16, warmup",
-               "m_fp32": "Pre-Norm clip 1, fp32, no warmup", "m_post10": "Post-Norm clip 10, math attention",
-               "m_post10_relax": "Post-Norm clip 10, Attn. Relax"}
-ROLE_SHORT = {**SHORT, "pre_nw": "Pre-LN no warmup", "post_w": "Post-LN warmup", "post_nw": "Post-LN no warmup"}
+# The parameters are learning_params.py's, handed on here too (``from musiclm_stab.analysis.learning import L``).
+__all__ = ["CLAIMS", "CLAIMS_LAYERS", "CONTROL_CELLS", "CONTROL_LAYERS", "CONTROL_LR", "CONTROL_LRS", "CONTROL_MARGIN",
+           "DELTA_COUNT", "DELTA_EARLY", "DELTA_LN_GRAD", "DELTA_STEPS", "DOC_BEGIN", "DOC_END", "MARGIN_LEARNED",
+           "MECHANISM", "MECH_CHECKS", "MECH_LR", "MECH_ROLES", "MECH_STEPS", "RELAX_ACTS", "SHARED_STEPS", "Blocks", "H",
+           "L", "LearningRun", "analyse", "arm_blocks", "claims_of", "cli_main", "control_of", "control_roles",
+           "control_score", "depth_role", "having", "headroom_at", "learned_share", "learning_role", "learning_run",
+           "learning_runs", "mark_own_spikes", "mechanism_of", "roles_of", "write_claims"]
 
 
 def depth_role(role: str, layers: int, lr: float | None = None) -> str:
@@ -440,7 +449,7 @@ def roles_of(runs: Sequence[LearningRun]) -> list[dict]:
     largest headroom at the last diagnostic step before), cascades, own and shared spikes, headroom maxima."""
     rows = []
     for arm in (CLAIMS, MECHANISM):
-        for role in sorted({r.role for r in runs if r.arm == arm}, key=_role_order):
+        for role in sorted({r.role for r in runs if r.arm == arm}, key=role_order):
             mine = sorted((r for r in runs if r.arm == arm and r.role == role), key=lambda r: r.seed)
             final = [r.final_eval_cb0 for r in mine if math.isfinite(r.final_eval_cb0)]
             places = sorted({p for r in mine for p in r.headroom})
@@ -457,24 +466,6 @@ def roles_of(runs: Sequence[LearningRun]) -> list[dict]:
                 "headroom": {p: max(r.headroom.get(p, -math.inf) for r in mine) for p in places},
             })
     return rows
-
-
-def _base_role(role: str) -> str:
-    """The design's role a (possibly depth- or rate-suffixed) role name is of."""
-    known = [*ROLES, "pre_nw", "post_w", "post_nw", *MECH_ROLES]
-    return role if role in known else max((r for r in known if role.startswith(r + "_")), key=len, default=role)
-
-
-def _role_order(role: str) -> tuple[int, str]:
-    order = [*ROLES, "pre_nw", "post_w", "post_nw", *MECH_ROLES]
-    base = _base_role(role)
-    return (order.index(base) if base in order else len(order), role)
-
-
-def role_title(role: str) -> str:
-    """A role in words, its depth or rate (a control run off the claims' setting) after it."""
-    base = _base_role(role)
-    return ROLE_TITLES.get(base, base) + (f" ({role[len(base) + 1:].replace('_', ', ')})" if role != base else "")
 
 
 def _largest(headroom: dict[str, float]) -> tuple[str, float] | None:
@@ -501,119 +492,7 @@ def analyse(runs: Sequence[LearningRun], control_layers: int = CONTROL_LAYERS,
 
 
 # ---------------------------------------------------------------------------------------------------
-# Markdown, JSON, files and the command line
-
-
-def margin_text(q: MarginPart) -> str:
-    """A part as claims.part_text writes it, with its margin and TOST p where it has one."""
-    if q.margin is None:
-        return part_text(q)
-    adjusted = "" if math.isnan(q.p_tost_adjusted) else f", adj. {q.p_tost_adjusted:.3g}"
-    return f"{part_text(q)}; margin +-{q.margin:g}: TOST p {q.p_tost:.3g}{adjusted}"
-
-
-def margin_table(claims: Sequence[MarginClaim]) -> list[str]:
-    """The four-verdict table: a row per claim, its parts, difference and equivalence p, verdict and why."""
-    lines = ["| claim | parts: n, median difference, p, adjusted p; margin: TOST p, adjusted | difference p "
-             "(direction), adjusted | equivalence p, adjusted | verdict | why |", "|---|---|---|---|---|---|"]
-    for c in claims:
-        tested = c.testable and not math.isnan(c.p_adjusted)
-        diff = f"{c.p:.3g} ({c.direction or 'none'}), {c.p_adjusted:.3g}" if tested else "-"
-        equiv = f"{c.p_tost:.3g}, {c.p_tost_adjusted:.3g}" if tested else "-"
-        why = c.why if c.verdict == NOT_TESTABLE or not c.reason else f"{c.why}; {c.reason}"
-        lines.append(f"| ({c.key}) {c.text} | {'<br>'.join(margin_text(q) for q in c.parts) or 'none'} | {diff} | "
-                     f"{equiv} | **{c.verdict}** | {why} |")
-    return lines
-
-
-def control_markdown(control: dict) -> list[str]:
-    part: MarginPart = control["part"]
-    n = len(control["seeds"])
-    if not n:
-        return ["### The positive control (first; not in the claims' family, p not adjusted)", "",
-                "No block has the control's four runs (" + ", ".join(control["roles"].values()) + "): not run."]
-    verdict = ("**detects** it: Post-LN is hurt more by the missing warmup, the literature's effect, so the study "
-               "can see a failure where it is expected" if control["detects"] else
-               f"**does not detect** it, and the effect is **absent at this scale** (within +-{CONTROL_MARGIN:g} bits)"
-               if control["absent"] else "**does not detect** it, and cannot say it is absent (inconclusive)")
-    cells = ", ".join(f"{ROLE_SHORT.get(c, c)} {control['cells'][c]:.3f}" for c in ("post_nw", "post_w", "pre_nw"))
-    return ["### The positive control (first; not in the claims' family, p not adjusted)", "",
-            f"- Warmup x Pre/Post-LN at {control['layers']} layers and lr {lr_text(control['lr'])}, final held-out cb0 at the horizon (a diverged or "
-            f"dead run at its cap), over {n} blocks: means {cells}, Pre-LN warmup {control['cells']['pre_w']:.3f} "
-            f"bits; failed (diverged or dead input) " + ", ".join(
-                f"{c} {k}" for c, k in control["failed"].items()) + ".",
-            f"- {margin_text(part)}; the control {verdict}."]
-
-
-def mechanism_markdown(mech: dict, roles: list[dict]) -> list[str]:
-    lines = ["### The mechanism checks (a family of three, Holm-adjusted at 0.05)", "",
-             *margin_table(mech["checks"]), "",
-             "McNemar of failed, reported, not decided: " + "; ".join(
-                 f"{k}: {part_text(q)}" for k, q in mech["mcnemar"].items()) + "."]
-    for row in (r for r in roles if r["arm"] == MECHANISM):
-        fails = "; ".join(f"seed {f['seed']} {f['kind']} at {f['step']}" + (
-            f" ({f['place'][0]} {f['place'][1]:.2g} at step {f['diag_step']})" if f["place"] else "")
-            for f in row["failures"]) or "none"
-        lines.append(f"- {role_title(row['role'])}: failed {row['failed']} of "
-                     f"{len(row['seeds'])}: {fails}.")
-    return lines
-
-
-def roles_markdown(result: dict) -> list[str]:
-    share = result["learned_share"]
-    lines = ["### Runs by role", "",
-             f"Arm claims: {share['learned']} of {share['of']} runs that neither diverged nor lost their input "
-             f"learned (final held-out cb0 >= {MARGIN_LEARNED:g} bits below the unigram level), "
-             f"{num_text(share['share'], '{:.0%}')}.", "",
-             "| arm | role | learned | failed | final held-out cb0 mean [min, max] (n) | failures (seed: kind at step) "
-             "| cascades | spike events own / shared (own recovered) | largest fp16 headroom |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in result["roles"]:
-        f = row["final_eval_cb0"]
-        fails = ", ".join(f"{x['seed']}: {x['kind']}" + (f" at {x['step']}" if x["step"] is not None else "")
-                          for x in row["failures"]) or "none"
-        lines.append(f"| {row['arm']} | {role_title(row['role'])} | {row['learned']} of "
-                     f"{len(row['seeds'])} | {row['failed']} | {num_text(f['mean'])} [{num_text(f['min'])}, "
-                     f"{num_text(f['max'])}] ({f['n']}) | {fails} | {row['cascades']} | {row['own_spikes']} / "
-                     f"{row['shared_spikes']} ({row['own_recovered']}) | {headroom_text(row['headroom'])} |")
-    return lines
-
-
-def markdown(result: dict) -> str:
-    """claims.md: the positive control first, the claims, the mechanism checks, the runs by role."""
-    levels = result.get("levels") or {}
-    lines = control_markdown(result["control"])
-    lines += ["", "### The claims", "", *margin_table(result["claims"]), "",
-              f"Family: the testable claims, Holm-adjusted at {ALPHA}, the difference and the equivalence p apart. "
-              f"Blocks with the four configurations ({len(result['claims_blocks'])}): seeds "
-              + (", ".join(str(s) for s in result["claims_blocks"]) or "none") + "."]
-    if "unigram_eval_cb0" in levels:
-        lines.append(f"Held-out unigram level (codebook 0): {levels['unigram_eval_cb0']:.3f} bits; learned = "
-                     f"{MARGIN_LEARNED:g} bits below it at the end.")
-    if result.get("ignored"):
-        lines.append(f"Runs with no role in the study, ignored: {len(result['ignored'])} (claims.json lists them).")
-    lines += ["", *mechanism_markdown(result["mechanism"], result["roles"]), "", *roles_markdown(result)]
-    return "\n".join(lines) + "\n"
-
-
-def to_json(result: dict) -> dict:
-    out = _plain(result)
-    out["alpha"] = ALPHA
-    out["constants"] = {"L": L, "H": H, "DELTA_EARLY": DELTA_EARLY, "MARGIN_LEARNED": MARGIN_LEARNED,
-                        "CONTROL_MARGIN": CONTROL_MARGIN, "DELTA_LN_GRAD": DELTA_LN_GRAD, "DELTA_COUNT": DELTA_COUNT,
-                        "DELTA_STEPS": DELTA_STEPS, "SHARED_STEPS": SHARED_STEPS, "MIN_BLOCKS": MIN_BLOCKS}
-    return out
-
-
-def run_json(r: LearningRun) -> dict:
-    """A run's endpoints for claims.json, with those computed from them (survived, spikes, instability)."""
-    return {**_plain(r), "failed": r.failed, "survived": r.survived, "own_spikes": r.own_spikes,
-            "shared_spikes": r.shared_spikes, "own_recovered": r.own_recovered, "instability": _plain(r.instability)}
-
-
-DOC_BEGIN = ("<!-- learning claims table: generated by `python -m musiclm_stab.analysis.learning ... --doc`; "
-             "do not edit -->")
-DOC_END = "<!-- end of the generated learning claims table -->"
+# Files and the command line
 
 
 def write_claims(run_dirs: Sequence[str | Path | RunMetrics], out_dir: str | Path, unigram_eval_cb0: float,

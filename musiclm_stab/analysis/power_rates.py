@@ -7,10 +7,11 @@ instability.role6, else the run's name): the first logged training loss L0, the 
 steps the mean curve takes to fall 63% of the way; the per-step loss noise shared by a block (the robust SD of
 each run's residual about its centred 9-step mean, from step 20) and a run's own (the robust SD of two runs'
 residual differences in a block, / sqrt 2: the same batches cancel); spike events (claim_stats.spike_events)
-per run per 100 steps, the share shared within the block (learning.SHARED_STEPS) and recovered; cascades per
-100 steps; the SD of block means and the pooled run SD (configuration means removed) of early loss, ln median
-gradient norm and final held-out cb0; the per-step ln gradient-norm noise, its first and late medians and time
-constant; the first training cb0 (the cap); and the divergence steps of the Pre-Norm runs at ``failure_lr``.
+per run per 100 steps, the share shared within the block (learning_params.SHARED_STEPS) and recovered;
+cascades per 100 steps; the SD of block means and the pooled run SD (configuration means removed) of early
+loss, ln median gradient norm and final held-out cb0; the per-step ln gradient-norm noise, its first and late
+medians and time constant; the first training cb0 (the cap); and the divergence steps of the Pre-Norm runs at
+``failure_lr``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from musiclm_stab.analysis import learning
+from musiclm_stab.analysis import learning_params
 from musiclm_stab.analysis.claim_stats import block_of, logged, spike_events
 from musiclm_stab.analysis.claims import read_runs
 from musiclm_stab.analysis.failures import cascades
@@ -43,7 +44,7 @@ class Rates:
     batch_sd: float  # per-step loss noise shared by a block (robust SD of the residual about a 9-step mean)
     run_sd: float  # per-step loss noise of a run (robust SD of same-block paired residual differences / sqrt 2)
     spikes_per_100: float  # spike events (progress-lost rule) per run per 100 steps
-    shared_share: float  # share of them shared within the block (learning.SHARED_STEPS)
+    shared_share: float  # share of them shared within the block (learning_params.SHARED_STEPS)
     recovered_share: float
     cascades_per_100: float
     early_block_sd: float  # early loss (the first quarter): SD of block means, and the run SD within blocks
@@ -145,7 +146,7 @@ def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: 
             others = [e.step for o, *_ in members if o is not r for e in spikes[id(o)]]
             for e in spikes[id(r)]:
                 events += 1
-                shared += any(abs(e.step - s) <= learning.SHARED_STEPS for s in others)
+                shared += any(abs(e.step - s) <= learning_params.SHARED_STEPS for s in others)
                 recovered += e.recovered_at is not None
             steps += int(r.last_step or 0)
             n_casc += len(cascades(r))

@@ -60,11 +60,12 @@ from pathlib import Path
 
 import numpy as np
 
-from musiclm_stab.analysis import learning
+from musiclm_stab.analysis import learning, learning_params
 from musiclm_stab.analysis.claim_stats import EVAL_CB0
 from musiclm_stab.analysis.decide import ABSENT, NOT_TESTABLE, REFUTED, REPRODUCED
 from musiclm_stab.analysis.instability import EARLY_SHARE
-from musiclm_stab.analysis.learning import CLAIMS, MECH_ROLES, MECHANISM, LearningRun
+from musiclm_stab.analysis.learning import LearningRun
+from musiclm_stab.analysis.learning_params import CLAIMS, MECH_ROLES, MECHANISM
 from musiclm_stab.analysis.power_rates import DEFAULT_RATES, Rates, measure_rates
 from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.config.loading import load_config
@@ -97,7 +98,7 @@ KEYS = ("a", "b", "c", "d", "M1", "M2", "M3")
 def _config(role: str) -> dict:
     """The plan's config of ``role`` (seed 0): the real recipe, the cpu overlays and the spec's overrides, at
     the design's present L and H."""
-    return _config_at(role, learning.L, learning.H)
+    return _config_at(role, learning_params.L, learning_params.H)
 
 
 @functools.cache
@@ -108,7 +109,7 @@ def _config_at(role: str, lr: float, horizon: int) -> dict:
     overlays = [repo / "recipes" / "overlays" / f for f in ("tiny.yaml", "study_cpu.yaml", "instability_cpu.yaml")]
     claims = [f"--optim.lr={lr}", f"--train.max_steps={horizon}", f"--train.eval_every={EVAL_EVERY}"]
     warm = [f"--optim.warmup_steps={round(0.08 * horizon)}"]
-    mech = [f"--optim.lr={learning.MECH_LR}", f"--train.max_steps={learning.MECH_STEPS}"]
+    mech = [f"--optim.lr={learning_params.MECH_LR}", f"--train.max_steps={learning_params.MECH_STEPS}"]
     stem, own = {"clip10": ("clip10", claims + warm), "clip1": ("clip1", claims + warm),
                  "deepnorm": ("deepnorm", claims + warm), "relax": ("relax", claims + warm),
                  "pre_nw": ("clip1", claims), "post_w": ("post", claims + warm), "post_nw": ("post", claims),
@@ -160,7 +161,7 @@ def _series(out: dict, name: str, steps: np.ndarray, values: np.ndarray) -> None
 
 def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int, ...], effect: str) -> RunMetrics:
     """One simulated run of arm claims (module docstring) with ``effect`` planted where it concerns ``role``."""
-    h = learning.H
+    h = learning_params.H
     rng = _rng(*key)
     planted = role in PLANTED.get(effect, ())
     t = np.arange(1, h + 1)
@@ -168,7 +169,8 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
     run_offset_sd = math.sqrt(max(0.0, rates.early_run_sd ** 2 - rates.run_sd ** 2 / max(1, rates.early_steps)))
     loss = trend + block.early + rng.normal(0, run_offset_sd) + block.noise[:h] + rng.normal(0, rates.run_sd, h)
     early = max(1, int(EARLY_SHARE * h))
-    shift = {"a": -2.0 * learning.DELTA_EARLY, "d": 2.0 * learning.DELTA_EARLY}.get(effect, 0.0) if planted else 0.0
+    early_shift = 2.0 * learning_params.DELTA_EARLY
+    shift = {"a": -early_shift, "d": early_shift}.get(effect, 0.0) if planted else 0.0
     if shift and role in ("clip10", "relax"):
         loss += shift * np.clip((2 * early - t) / early, 0.0, 1.0)  # the whole shift early, fading out after
     progress = np.maximum(rates.l0 - np.minimum.accumulate(trend), 0.0)
@@ -224,7 +226,7 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
 def mechanism_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int, ...], effect: str) -> RunMetrics:
     """One simulated run of arm mechanism: it diverges at a drawn Pre-LN failure step, unless ``effect`` makes
     ``role`` the treated one that survives the horizon."""
-    h = learning.MECH_STEPS
+    h = learning_params.MECH_STEPS
     rng = _rng(*key)
     fails = role not in PLANTED.get(effect, ())
     at = int(rng.choice(rates.pre_ln_failure_steps)) if fails else h + 1
@@ -320,7 +322,8 @@ def study_run(rates: Rates, role: str, seed: int, study: int, base_seed: int = 0
     """One simulated run (``role`` in block ``seed`` of study ``study``) as read_run would read it; its block's
     shared draws and its own come from generators keyed by (base_seed, study, seed, arm or role)."""
     mech = role in MECH_ROLES
-    block = block_of_study(rates, learning.MECH_STEPS if mech else learning.H, (base_seed, study, seed, 1000 + mech))
+    horizon = learning_params.MECH_STEPS if mech else learning_params.H
+    block = block_of_study(rates, horizon, (base_seed, study, seed, 1000 + mech))
     make = mechanism_run if mech else claims_run
     return make(rates, role, seed, block, (base_seed, study, seed, ROLE_KEYS[role]), effect)
 
@@ -397,8 +400,8 @@ def power_table(rates: Rates, seeds: Sequence[int], studies: int, base_seed: int
             "clip1_early_clip_share": float(np.median(sums["clip1_share"])) if sums["clip1_share"] else math.nan}
     return {"studies": studies, "seeds": list(seeds), "base_seed": base_seed, "counts": _plain_counts(counts),
             "null_runs": null, "rates": asdict(rates),
-            "design": {"L": learning.L, "H": learning.H, "DELTA_EARLY": learning.DELTA_EARLY,
-                       "MECH_STEPS": learning.MECH_STEPS, "UNIGRAM": UNIGRAM, "FINAL_GAIN": FINAL_GAIN}}
+            "design": {"L": learning_params.L, "H": learning_params.H, "DELTA_EARLY": learning_params.DELTA_EARLY,
+                       "MECH_STEPS": learning_params.MECH_STEPS, "UNIGRAM": UNIGRAM, "FINAL_GAIN": FINAL_GAIN}}
 
 
 def _plain_counts(counts: dict) -> dict:
@@ -445,16 +448,17 @@ def markdown(table: dict, command: str = "", seconds: float | None = None) -> st
             f"{share(table, NULL, n, key, [ABSENT]):.0%}" for n in seeds) + " |")
     r, null = table["rates"], table["null_runs"]
     lines += ["", f"{table['studies']} simulated studies per cell (generators keyed by seed {table['base_seed']}, study, "
-              f"block and role), arm claims at lr {learning.L:g} for H = {learning.H} steps, DELTA_EARLY "
-              f"{learning.DELTA_EARLY:g} bits (placeholders until the calibration fixes them)"
+              f"block and role), arm claims at lr {learning_params.L:g} for H = {learning_params.H} steps, "
+              f"DELTA_EARLY {learning_params.DELTA_EARLY:g} bits (placeholders until the calibration fixes them)"
               + (f"; `{command}` ran in {seconds:.0f} s" if command and seconds is not None else "") + ".", "",
               "Rates the runs are drawn from (measured: " + r["source"] + "): " + ", ".join(
                   f"{k} {_fmt(v)}" for k, v in r.items() if k != "source") + ".", "",
               f"The simulated null's claims runs, through the same detectors: own spike events "
               f"{null['own_spikes_per_run']:.3f} and shared {null['shared_spikes_per_run']:.2f} a run, "
               f"{null['recovered_share']:.0%} of them recovered (measured: "
-              f"{r['spikes_per_100'] * learning.H / 100 * (1 - r['shared_share']):.3f} and "
-              f"{r['spikes_per_100'] * learning.H / 100 * r['shared_share']:.2f} over {learning.H} steps, "
+              f"{r['spikes_per_100'] * learning_params.H / 100 * (1 - r['shared_share']):.3f} and "
+              f"{r['spikes_per_100'] * learning_params.H / 100 * r['shared_share']:.2f} over {learning_params.H} "
+              "steps, "
               f"{r['recovered_share']:.0%} recovered), cascades "
               f"{null['cascades_per_run']:.3f} a run, {null['learned_share']:.0%} learned, clip 1's early clip share "
               f"{null['clip1_early_clip_share']:.2f} (median)."]

@@ -87,10 +87,11 @@ ARM_SUFFIX = {"schemes": "", "mert-frontend": "_mert_frontend"}
 
 # The learning study (docs/STUDY.md, "The learning study"). Two arms in one folder, the mechanism arm first (short
 # runs), then the claims arm seed by seed. Each role: (arm, recipe, its own overrides, its runs' name). Its rates,
-# horizons, depths and margin are its analysis's (analysis/learning.py: one place): the claims arm at L for H steps
-# with MERT's warmup share; its control, the 2 x 2 of warmup x Pre/Post-LN (Xiong et al. 2020), ``clip1`` (Pre-LN
-# with warmup) and three more, at CONTROL_LR with CONTROL_LAYERS; the mechanism arm at MECH_LR for MECH_STEPS
-# without warmup (the instability study's regime). Its folder at cpu scale only (no GPU has measured it).
+# horizons, depths and margin are its pre-registration's (analysis/learning_params.py: one place): the claims arm
+# at L for H steps with MERT's warmup share; its control, the 2 x 2 of warmup x Pre/Post-LN (Xiong et al. 2020),
+# ``clip1`` (Pre-LN with warmup) and three more, at CONTROL_LR with CONTROL_LAYERS; the mechanism arm at MECH_LR
+# for MECH_STEPS without warmup (the instability study's regime). Its folder at cpu scale only (no GPU has
+# measured it).
 LEARNING = "learning"
 LEARNING_NAMES = {"cpu": "learning_cpu"}
 LEARNING_OVERLAYS: dict[str, Path] = {"cpu": OVERLAYS / "learning_cpu.yaml"}
@@ -172,10 +173,10 @@ class Study:
     @property
     def stall_margin(self) -> float | None:
         """Bits below the unigram level a run must end not to be stalled: the learning study's margin of
-        "learned" (analysis/learning.py MARGIN_LEARNED), else None (failures.STALL_MARGIN)."""
+        "learned" (analysis/learning_params.py MARGIN_LEARNED), else None (failures.STALL_MARGIN)."""
         if self.design != LEARNING:
             return None
-        from musiclm_stab.analysis.learning import MARGIN_LEARNED
+        from musiclm_stab.analysis.learning_params import MARGIN_LEARNED
 
         return MARGIN_LEARNED
 
@@ -187,7 +188,7 @@ class Study:
         """The lr the seed figures draw (FIGURE_LR_INDEX of the grid, the instability design's own; None: a
         study without a grid)."""
         if self.design == LEARNING:
-            from musiclm_stab.analysis.learning import L
+            from musiclm_stab.analysis.learning_params import L
 
             return L
         index = INSTABILITY_FIGURE_LR_INDEX if self.design == "instability" else FIGURE_LR_INDEX
@@ -328,7 +329,7 @@ def learning_study(scale: str, runs_dir: str | Path = "runs", data: str | Path |
     n_seeds = LEARNING_SEEDS[scale] if seeds is None else seeds
     if n_seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {n_seeds}")
-    from musiclm_stab.analysis import learning as rules
+    from musiclm_stab.analysis import learning_params as rules
 
     out = Path(runs_dir) / (name or default_name(scale, LEARNING))
     seed_list = list(range(first_seed, first_seed + n_seeds))
