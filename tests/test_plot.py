@@ -13,17 +13,8 @@ from matplotlib.colors import same_color
 
 from musiclm_stab import cli
 from musiclm_stab.analysis.curves import ema, seed_curve, window_means
-from musiclm_stab.analysis.plot import (
-    BAND_LABEL,
-    OUTSIDE_LABEL,
-    ROLLBACK_LABEL,
-    SKIPPED_LABEL,
-    PlotWarning,
-    make_figures,
-    plot_runs,
-    read_run,
-    run_label,
-)
+from musiclm_stab.analysis.panels import BAND_LABEL, OUTSIDE_LABEL, ROLLBACK_LABEL, SKIPPED_LABEL
+from musiclm_stab.analysis.plot import PlotWarning, make_figures, plot_runs, read_run, run_label
 from musiclm_stab.analysis.style import RAW_ALPHA, StepFormatter
 from musiclm_stab.config import Config, save_config
 
