@@ -162,3 +162,13 @@ def test_evaluate_defaults_to_the_device_the_other_verbs_use():
     evaluate command does."""
     for verb in (musiclm_stab.evaluate, musiclm_stab.load_encoder, musiclm_stab.features):
         assert inspect.signature(verb).parameters["device"].default is None, verb.__name__
+
+
+def test_the_trainer_module_leaves_the_recipes_verb_in_place():
+    """Importing the trainer's module (`-m musiclm_stab.pretrain`, what `musiclm-stab train` launches) in a
+    process leaves `musiclm_stab.recipes` the API's function (before: the trainer lived in the recipes folder,
+    whose import replaced the verb with that folder's namespace module)."""
+    script = ("import musiclm_stab, musiclm_stab.api, musiclm_stab.pretrain\n"
+              "assert musiclm_stab.recipes is musiclm_stab.api.recipes, musiclm_stab.recipes\n"
+              "assert 'tiny' in musiclm_stab.recipes()\n")
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)

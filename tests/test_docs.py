@@ -187,7 +187,7 @@ def _check_launch(words: list[str]) -> list[str]:
         module = words[i] == "-m"
         script, args, problems = words[i + module], words[i + 1 + module:], []
     if not module:  # recipes/pretrain.py is a checkout's path; installed, the trainer is a module
-        return problems + [f"{script}: a checkout's file; launch the module (-m musiclm_stab.recipes.pretrain)"]
+        return problems + [f"{script}: a checkout's file; launch the module (-m musiclm_stab.pretrain)"]
     if importlib.util.find_spec(script) is None:
         return problems + [f"no module {script}"]
     return problems + _check_trainer_args(args)
@@ -284,7 +284,7 @@ def test_command_help_names_its_reference_page(command, capsys):
 
 @pytest.mark.parametrize("entry, argv, page", [
     ("musiclm_stab.tokenizer.cli:cli_main", ["--merge", "--help"], "docs/TOKENIZING.md"),
-    ("musiclm_stab.training.trainer:main", ["--help"], "docs/TRAINING.md"),  # -m musiclm_stab.recipes.pretrain
+    ("musiclm_stab.training.trainer:main", ["--help"], "docs/TRAINING.md"),  # -m musiclm_stab.pretrain
     ("musiclm_stab.analysis.claims:cli_main", ["--help"], "docs/STUDY.md"),
     ("musiclm_stab.analysis.instability:cli_main", ["--help"], "docs/STUDY.md"),
     ("musiclm_stab.analysis.power:cli_main", ["--help"], "docs/STUDY.md"),

@@ -39,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("export",),  # a trained encoder elsewhere: transformers export, features
     ("analysis",),  # reads run directories: figures, evaluation, claims, probes (probes take features)
     ("experiments",),  # jobs made of the parts: quickstart, the study, the sweep
-    ("api", "cli", "reference", "recipes"),  # entry points: the Python API, the command line (and its pages),
+    ("api", "cli", "reference", "pretrain", "recipes"),  # entry points: the Python API, the command line (and its
+    # pages), the trainer launched as a module,
     # recipes/pretrain.py
     ("__main__", ""),  # python -m musiclm_stab: the command line; the package's face
 )

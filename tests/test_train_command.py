@@ -78,17 +78,17 @@ def test_trainer_arguments_by_name_setting_forms_and_refusals():
 
 
 def test_launch_is_accelerate_launch_of_the_trainer_module():
-    """`musiclm-stab train [OPTIONS --] ARGS` becomes `accelerate launch OPTIONS -m musiclm_stab.recipes.pretrain
+    """`musiclm-stab train [OPTIONS --] ARGS` becomes `accelerate launch OPTIONS -m musiclm_stab.pretrain
     ARGS`; without `--` every argument is the trainer's; --config_file names a packaged accelerate config."""
     cmd = launch_argv(["--num_processes", "2", "--config_file", "accelerate/8gpu", "--", "--config", "tiny",
                        "--train.max_steps=3"])
     launch = cmd.index("launch")
     assert cmd[launch:] == ["launch", "--num_processes", "2", "--config_file",
-                            str(PACKAGED_RECIPES / "accelerate" / "8gpu.yaml"), "-m", "musiclm_stab.recipes.pretrain",
+                            str(PACKAGED_RECIPES / "accelerate" / "8gpu.yaml"), "-m", "musiclm_stab.pretrain",
                             "--config", "tiny", "--train.max_steps=3"]
     assert Path(cmd[0]).parent == Path(sys.executable).parent  # this environment's accelerate, never another's
     cmd = launch_argv(["--config", "tiny", "--resume"])
-    assert cmd[cmd.index("launch"):] == ["launch", "-m", "musiclm_stab.recipes.pretrain", "--config", "tiny", "--resume"]
+    assert cmd[cmd.index("launch"):] == ["launch", "-m", "musiclm_stab.pretrain", "--config", "tiny", "--resume"]
     assert split_arguments(["--", "--config", "tiny"]) == ([], ["--config", "tiny"])
 
 

@@ -3,7 +3,7 @@
     musiclm-stab train --config tiny --data.path=work/tokens --train.name=my-run
     musiclm-stab train --config_file accelerate/8gpu -- --config study_prenorm_clip1_run2 --data.path=work/tokens
 
-It becomes ``accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain [ARGS]`` (the process is
+It becomes ``accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.pretrain [ARGS]`` (the process is
 replaced, so signals, exit status and accelerate's own handling are exactly that command's). accelerate's
 options come first, ended by ``--``; without ``--`` every argument is the trainer's (training/arguments.py)
 and accelerate uses its default config, as a bare ``accelerate launch`` does. ``--config_file`` may name a
@@ -61,7 +61,7 @@ def packaged_config_files(options: list[str]) -> list[str]:
 
 
 def launch_argv(argv: list[str]) -> list[str]:
-    """The ``accelerate launch ... -m musiclm_stab.recipes.pretrain ...`` command that ``musiclm-stab train
+    """The ``accelerate launch ... -m musiclm_stab.pretrain ...`` command that ``musiclm-stab train
     ARGV`` runs, its recipes and settings checked (ConfigError otherwise)."""
     accelerate, trainer = split_arguments(argv)
     args = parse_trainer_args(trainer)  # argparse's usage error (exit 2) for what is not the trainer's

@@ -1,11 +1,9 @@
-"""Pretraining entry point: the trainer that ``musiclm-stab train`` launches.
+"""The trainer, launched by path from a checkout: ``accelerate launch recipes/pretrain.py --config tiny ...``
+(a checkout's recipes/ is a symlink to this folder, which ships the packaged recipes).
 
-    musiclm-stab train [ACCELERATE OPTIONS --] --config tiny [--config overlays/tiny] [--section.key=value ...]
-    accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain --config tiny ...   # the same
-
-The loop lives in musiclm_stab/training/trainer.py, its arguments in training/arguments.py; this file only
-makes it launchable, as a module or by path. It lives in the package with the recipes (musiclm_stab/recipes/,
-package data), so an installed wheel has it; a checkout's recipes/ is a symlink to this folder.
+Launched as a module it is ``-m musiclm_stab.pretrain`` (``musiclm-stab train`` runs that): the same
+``training.trainer.main``. ``-m musiclm_stab.recipes.pretrain``, its earlier name,
+still launches it.
 """
 
 import sys

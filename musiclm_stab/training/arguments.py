@@ -4,7 +4,7 @@ fields of config/, the one place a setting is described). Light: no torch, so ``
 answers at once.
 
     musiclm-stab train [ACCELERATE OPTIONS --] [--config RECIPE ...] [--resume] [--print-config] [--s.key=value ...]
-    accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain [the same arguments]
+    accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.pretrain [the same arguments]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from musiclm_stab.config.recipes import recipe_names
 from musiclm_stab.config.sections import Config
 
 PROG = "musiclm-stab train"
-ENTRY_MODULE = "musiclm_stab.recipes.pretrain"  # what `musiclm-stab train` runs under accelerate launch
+ENTRY_MODULE = "musiclm_stab.pretrain"  # what `musiclm-stab train` runs under accelerate launch
 REFERENCE = "Reference: docs/TRAINING.md (offline: musiclm-stab docs TRAINING)"
 
 
@@ -76,13 +76,13 @@ def setting_lines() -> list[tuple[str, str, str, str]]:
 
 
 def trainer_parser() -> argparse.ArgumentParser:
-    """The trainer's parser, shared by ``musiclm-stab train`` and ``-m musiclm_stab.recipes.pretrain``."""
+    """The trainer's parser, shared by ``musiclm-stab train`` and ``-m musiclm_stab.pretrain``."""
     p = argparse.ArgumentParser(
         prog=PROG, allow_abbrev=False,
         usage=f"{PROG} [ACCELERATE OPTIONS --] [--config RECIPE ...] [--resume] [--print-config] "
               "[--section.key=value ...]",
         description="Pretrain a music masked-LM under accelerate: the recipes layered in order, then the "
-        "settings. It runs `accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain ARGS`: "
+        "settings. It runs `accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.pretrain ARGS`: "
         "accelerate's options (--num_processes 8, --mixed_precision bf16, --config_file accelerate/8gpu for a "
         "packaged one; `accelerate launch --help`) come first, ended by `--`; without `--` every argument is "
         "the trainer's and accelerate uses its default config (`accelerate config`).",

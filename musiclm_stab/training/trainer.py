@@ -9,7 +9,7 @@ in DESIGN.md) go to ``metrics.jsonl`` and the ``train.trackers`` (TensorBoard by
 moved into place so a checkpoint directory is either complete or absent.
 
 Launch: ``musiclm-stab train [ACCELERATE OPTIONS --] --config tiny [--section.key=value ...]``, which is
-``accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.recipes.pretrain --config tiny ...`` (training/arguments.py)
+``accelerate launch [ACCELERATE OPTIONS] -m musiclm_stab.pretrain --config tiny ...`` (training/arguments.py)
 """
 
 from __future__ import annotations
@@ -532,7 +532,7 @@ def print_config(configs: list[str], overrides: list[str], environ: Mapping[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``musiclm-stab train`` / ``-m musiclm_stab.recipes.pretrain`` under accelerate launch: train, or with
+    """``musiclm-stab train`` / ``-m musiclm_stab.pretrain`` under accelerate launch: train, or with
     --print-config print what would train."""
     args = parse_trainer_args(argv)
     if args.print_config:
