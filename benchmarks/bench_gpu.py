@@ -18,7 +18,7 @@ TFLOP/s dense fp16/bf16). ``torch count check`` is torch.utils.flop_counter's co
 target's forward and less what it overcounts (the grouped positional conv's weight gradient, counted as if
 ungrouped: 16x), over the analytic count: 1.000 when the two agree. (The MFU of issue 17 divided the raw count,
 which for 5.12 s crops is 16% above the true FLOPs at base size and 11% at large, for that reason.) ``vs matmul`` divides by an 8192^3 matmul of the
-mode's dtype timed in the same process. Rows are printed (a markdown table) and written to --json as they finish,
+mode's dtype timed in the same process (128^3 on a CPU, a smoke test: fp16 matmuls are emulated there, slowly). Rows are printed (a markdown table) and written to --json as they finish,
 so a run stopped at a deadline keeps every finished row.
 
     python benchmarks/bench_gpu.py                                              # base, large x the 3 study cases
@@ -253,8 +253,8 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def write_profile(step, device: torch.device, path: str, title: str, rows: int = 30) -> dict:
-    """torch.profiler over 3 steps: the top ``rows`` operators/kernels by self device time (CPU time on a CPU),
+def write_profile(step, device: torch.device, path: str, title: str, steps: int = 3, rows: int = 30) -> dict:
+    """torch.profiler over ``steps`` steps: the top ``rows`` operators/kernels by self device time (CPU time on a CPU),
     then the device time by kernel family and the device's busy share of the wall time, into ``path``.
     Returns the family summary."""
     from torch.profiler import ProfilerActivity, profile
@@ -264,7 +264,7 @@ def write_profile(step, device: torch.device, path: str, title: str, rows: int =
     sync(device)
     t = time.perf_counter()
     with profile(activities=activities) as prof:
-        for _ in range(3):
+        for _ in range(steps):
             step()
         sync(device)
     wall_us = (time.perf_counter() - t) * 1e6
@@ -277,10 +277,10 @@ def write_profile(step, device: torch.device, path: str, title: str, rows: int =
     for name, us in kernels:
         families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us
     busy = sum(families.values())
-    summary = {"wall_ms_per_step": wall_us / 3e3, "busy_ms_per_step": busy / 3e3,
-               "families_ms_per_step": {k: v / 3e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])}}
+    summary = {"wall_ms_per_step": wall_us / steps / 1e3, "busy_ms_per_step": busy / steps / 1e3,
+               "families_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])}}
     with open(path, "w") as f:
-        f.write(f"# {title}, 3 steps, sorted by {key}\n")
+        f.write(f"# {title}, {steps} steps, sorted by {key}\n")
         f.write(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
         what = "device (kernel) time" if cuda else "CPU self time"
         f.write(f"\n# {what} by kernel family, per step (wall {summary['wall_ms_per_step']:.1f} ms, "
@@ -350,7 +350,8 @@ def run_case(size: str, case: Case, args, device: torch.device, cache: dict) -> 
     counted, cqt = cache.get((size, case.attention, batch_size, "none"), (float("nan"), float("nan")))
     dtype = MODE_DTYPE[case.mode]
     if dtype not in cache:
-        cache[dtype] = matmul_rate(device, DTYPES[dtype], args.matmul_n if device.type == "cuda" else 512)
+        n = args.matmul_n or (8192 if device.type == "cuda" else 128)
+        cache[dtype] = matmul_rate(device, DTYPES[dtype], n)
     mm = cache[dtype]
     row = {"size": size, "case": str(case), "mode": case.mode, "attention": case.attention,
            "levers": list(case.levers), "compile": args.compile, "batch": batch_size, "seconds": args.seconds,
@@ -391,9 +392,11 @@ def main() -> None:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: a fast smoke test)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense fp16/bf16 spec of the GPU")
-    p.add_argument("--matmul-n", type=int, default=8192)
+    p.add_argument("--matmul-n", type=int, default=None,
+                   help="size of the reference matmul (default 8192 on a GPU, 128 on a CPU)")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE", help="config overrides for every case")
-    p.add_argument("--profile", default=None, help="write the top kernels of 3 profiled steps of the first row here")
+    p.add_argument("--profile", default=None, help="write the top kernels of profiled steps of the first row here")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for --profile")
     p.add_argument("--json", default=None, help="also write the rows here (rewritten after each row)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -414,7 +417,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         if args.profile and len(rows) == 1:
             row["profile"] = write_profile(step, device, args.profile, f"{size} {case} batch={row['batch']} "
-                                           f"x {args.seconds} s, compile={args.compile}")
+                                           f"x {args.seconds} s, compile={args.compile}", args.profile_steps)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
         del step

@@ -364,7 +364,8 @@ def devices(args, work: Path) -> dict:
     codes, result = {}, {"tracks": len(files), "audio_seconds": audio_s, "weights": Path(weights).name}
     for i, device in enumerate(args.devices):
         name = f"{device}{i}" if args.devices.count(device) > 1 else device
-        codes[name], wall = _codes_of(subset, weights, work / f"tokens_{name}", extra=("--device", device))
+        extra = ("--device", device, *(("--workers", str(args.workers)) if args.workers is not None else ()))
+        codes[name], wall = _codes_of(subset, weights, work / f"tokens_{name}", extra=extra)
         result[f"{name}_x_realtime"] = audio_s / wall
         print(f"{name}: {audio_s:.0f} s of audio in {wall:.1f} s = {audio_s / wall:.1f}x real time "
               "(a fresh process: imports and model load included)", flush=True)
@@ -518,7 +519,7 @@ def main() -> None:
     p.add_argument("--memory-repeats", type=int, default=1,
                    help="memory: runs of each length, in rounds (the peak scatters between identical runs)")
     p.add_argument("--batch-size", type=int, default=8, help="memory, encode: the tokenizer's --batch-size")
-    p.add_argument("--workers", type=int, default=None, help="memory: the tokenizer's --workers (default: its own)")
+    p.add_argument("--workers", type=int, default=None, help="memory, devices: the tokenizer's --workers (default: its own)")
     p.add_argument("--capabilities", nargs="+", default=["default", "avx2", "avx512"],
                    help="capability: ATEN_CPU_CAPABILITY values to compare, the first the reference")
     p.add_argument("--devices", nargs="+", default=["cpu", "cuda"],

@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--matmul-n", type=int, default=2048, help="size of the dense matmul the step is compared with")
     p.add_argument("--variants", nargs="+", default=["ours", "peer"],
                    choices=["ours", "peer", "before", "compiled", "ckpt"],
                    help="ours: as trained (fused AdamW, CPU fast dropout); peer: HubertModel backbone with our "
@@ -136,7 +137,7 @@ def main() -> None:
             with FlopCounterMode(display=False) as fc:
                 fns["ours" if "ours" in fns else names[0]]()
             flops = fc.get_total_flops()
-            rate = matmul_rate(dtype)
+            rate = matmul_rate(dtype, args.matmul_n)
             best = {n: min(v) for n, v in times.items()}
             o = best.get("ours", best[names[0]])
             cells = [f"{best[n]:.2f}" for n in names] + [f"{audio_s / best[n]:.2f}" for n in names if n != "peer"]

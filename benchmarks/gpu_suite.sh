@@ -186,7 +186,8 @@ smoke() { if [ $SMOKE = 1 ]; then S=("$@"); else S=(); fi; }
 for s in $SECTIONS; do
   case $s in
   step)
-    smoke --device cpu --sizes tiny --cases fairseq-math --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1
+    smoke --device cpu --sizes tiny --cases fairseq-math --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1 \
+      --profile-steps 1
     section step 150 step.md $PY benchmarks/bench_gpu.py --sizes base large --cases fairseq-math fairseq-relax bf16-sdpa \
       --extra base:fairseq-math+gemm base:fairseq-math+cudnnbench large:fairseq-math+gemm --steps 10 --warmup 3 \
       --profile "$OUT/profile.txt" --json "$OUT/raw/step.json" "${S[@]}" ;;
@@ -237,7 +238,7 @@ for s in $SECTIONS; do
     section checkpoint 60 checkpoint.md $PY benchmarks/bench_checkpoint.py --device cuda --sizes large --rounds 2 \
       --dir "$TMP/gpu_suite_ckpt_$$" --json "$OUT/raw/checkpoint.json" "${S[@]}" ;;
   tokenize)
-    smoke --tracks 1 --devices cpu cpu
+    smoke --tracks 1 --devices cpu cpu --workers 0
     if [ -d "$AUDIO" ]; then
       section tokenize 90 tokenize.md $PY benchmarks/bench_tokenize.py devices --audio "$AUDIO" --tracks 4 \
         --devices cpu cuda --work "$TMP/gpu_suite_tok_$$" "${WEIGHTS[@]}" "${S[@]}"

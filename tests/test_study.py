@@ -26,6 +26,7 @@ from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
     CPU_OVERLAYS,
+    INSTABILITY_GRIDS,
     LR_GRIDS,
     SCALE_OVERLAYS,
     STUDY_RECIPES,
@@ -98,21 +99,30 @@ def test_recipe_headers_show_the_tiny_twin_overlay_command():
         assert CPU_OVERLAYS[0].name == "tiny.yaml" and all(p.is_file() for p in CPU_OVERLAYS)
 
 
-def test_cpu_plan_seeds_order_and_settings(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_plan():
+    """The committed CPU study's plan (``study --scale cpu`` on the hours256 corpus, as docs/study_cpu/ ran it),
+    planned once for this module's tests, and each run's resolved config (each plan_study validates every
+    run's config, and every config is read from its recipe files again: a second or more per ten runs)."""
+    study = plan_study("cpu", "runs", data="work/hours256_tokens")
+    return study, [run.config() for run in study.runs]
+
+
+def test_cpu_plan_seeds_order_and_settings(cpu_plan, tmp_path):
     """CPU scale: 4 configurations x 3 lrs x 3 seeds plus the QK-norm control at the 2 top lrs, legends kept,
     the chosen regime in emulated fairseq fp16, seeds as train.seed, the data order paired by seed (default),
     shared, or independent per run; pilots' seeds from --first-seed."""
-    study = plan_study("cpu", tmp_path, data="/data/tokens")
+    study, configs = cpu_plan
+    runs_dir = Path("runs")
     grid = LR_GRIDS["cpu"]
     per_seed = [(stem, lr) for lr in grid for stem in [*STUDY_RECIPES, *([CONTROL] if lr in grid[1:] else [])]]
-    assert study.figures_dir == tmp_path / "study_cpu" / "figures" and len(study.runs) == 3 * len(per_seed) == 42
+    assert study.figures_dir == runs_dir / "study_cpu" / "figures" and len(study.runs) == 3 * len(per_seed) == 42
     assert study.figure_lr == grid[1] and len(figure_runs(study)) == 12
-    for i, run in enumerate(study.runs):
+    for i, (run, cfg) in enumerate(zip(study.runs, configs, strict=True)):
         seed, (stem, lr) = i // len(per_seed), per_seed[i % len(per_seed)]
         assert (run.stem, run.lr, run.seed) == (stem, lr, seed)
         keys = [o.split("=", 1)[0] for o in run.overrides]
         assert len(keys) == len(set(keys))  # merged: one value per setting
-        cfg = run.config()
         m = cfg.model.resolved()
         assert (m.size, m.num_layers, m.width, m.qk_norm) == ("tiny", 8, 128, stem == CONTROL)
         assert (cfg.train.mixed_precision, cfg.train.fp16_mode, cfg.train.fp16_impl) == ("fp16", "fairseq", "auto")
@@ -120,19 +130,22 @@ def test_cpu_plan_seeds_order_and_settings(tmp_path):
             lr, 160, 2400, 2.0)
         assert (cfg.train.eval_every, cfg.train.diagnostics_every, cfg.data.eval_fraction) == (200, 100, 0.15)
         assert (cfg.train.fp16_scale_window, cfg.train.checkpoint_every) == (32, 400)  # MERT-330M's window
-        assert cfg.run_dir == tmp_path / "study_cpu" / f"{stem}_tiny_{lr_tag(lr)}_s{seed}"
+        assert cfg.run_dir == runs_dir / "study_cpu" / f"{stem}_tiny_{lr_tag(lr)}_s{seed}"
         assert (cfg.train.seed, cfg.data.order_seed, cfg.data_order_seed) == (seed, None, seed)
         if stem != CONTROL:
-            assert cfg.data.path == "/data/tokens" and run_label(cfg.to_dict()) == LABELS[STUDY_RECIPES.index(stem)]
+            assert cfg.data.path == "work/hours256_tokens" and run_label(cfg.to_dict()) == LABELS[STUDY_RECIPES.index(stem)]
     assert study.runs[0].configs[1:] == list(CPU_OVERLAYS)
-    shared = [r.config() for r in plan_study("cpu", tmp_path, data="x", order="shared").runs]
+    # the other orders, planned at the grid's top lr alone: 15 runs, the 3 seeds of the four configurations and
+    # the control (the same code sets every lr's runs; 42 more configs read would add seconds, not proof)
+    top = {"data": "x", "lrs": grid[-1:]}
+    shared = [r.config() for r in plan_study("cpu", tmp_path, order="shared", **top).runs]
     assert {c.data_order_seed for c in shared} == {0} and {c.train.seed for c in shared} == {0, 1, 2}
-    independent = [r.config() for r in plan_study("cpu", tmp_path, data="x", order="independent").runs]
-    assert len({c.data_order_seed for c in independent}) == 42
+    independent = [r.config() for r in plan_study("cpu", tmp_path, order="independent", **top).runs]
+    assert len(independent) == 15 and len({c.data_order_seed for c in independent}) == 15
     pilot = plan_study("cpu", tmp_path, data="x", seeds=1, first_seed=100, lrs=(0.02,), control=False)
     assert [(r.seed, r.lr, r.stem) for r in pilot.runs] == [(100, 0.02, s) for s in STUDY_RECIPES]
     assert pilot.runs[0].config().run_dir.name == f"{STUDY_RECIPES[0]}_tiny_lr2e-2_s100"
-    short = plan_study("cpu", tmp_path, data="x", steps=30, seeds=1).runs[2].config()
+    short = plan_study("cpu", tmp_path, data="x", steps=30, seeds=1, lrs=grid[:1], control=False).runs[2].config()
     assert (short.train.max_steps, short.optim.warmup_steps, short.train.checkpoint_every) == (30, 3, 30)
     assert (short.train.eval_every, short.train.diagnostics_every) == (5, 5)  # a multiple of log_every 5
     assert merge_overrides(["--a.b=1", "--c.d=2", "--a.b=3"]) == ["--a.b=3", "--c.d=2"]
@@ -218,10 +231,12 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     monkeypatch.setattr(subprocess, "Popen", no_launch)
     again = plan_study("gpu", tmp_path / "out" / "runs", tokenized_dataset, steps=2, extra=tiny, lrs=(1e-3,),
                        control=False)
+    # formats=() in the study's calls here: its figures are built (plot_runs' make_figures), not rendered to files
+    # again (seconds each time): the script's run above rendered and checked them
     resumed = f"{STUDY_RECIPES[0]}_gpu_lr1e-3_s0"  # as if finished by a launch that resumed it: named, since
     record = timing["run_times"][resumed]  # its earlier launches are not in the summed cost
     (root / resumed / "study_time.json").write_text(json.dumps({**record, "resumed": True}))
-    run_study(again, jobs=2, formats=("png",))
+    run_study(again, jobs=2, formats=())
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
     again_timing = json.loads((root / "figures" / "timing.json").read_text())  # nothing trained by this piece,
@@ -240,7 +255,7 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
         else:
             assert sorted(p.name for p in (partial / "checkpoints").iterdir()) == [ckpt]
         with pytest.raises(AssertionError, match="launched again"):
-            run_study(again, jobs=1, formats=("png",))
+            run_study(again, jobs=1, formats=())
         assert f"config: {said})" in capsys.readouterr().out
     (partial / "metrics.jsonl").write_text(metrics)
     # The codes the runs trained on are recorded beside them; a piece of the study on other codes is refused.
@@ -248,7 +263,7 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     assert record["codes_sha256"] == codes_sha256(tokenized_dataset)
     (root / "data.json").write_text(json.dumps({**record, "codes_sha256": "0" * 64}))
     with pytest.raises(ConfigError, match="codes sha256") as refused:
-        run_study(again, jobs=2, formats=("png",))
+        run_study(again, jobs=2, formats=())
     assert f"this one: {machine()['cpu']}, {machine()['cpu_capability']} kernels" in str(refused.value)
     (root / "data.json").write_text(json.dumps(record))
     # Same directories, another config: refused before anything is launched.
@@ -259,7 +274,7 @@ def test_gpu_study_script_runs_at_tiny_size_on_cpu(tokenized_dataset, tmp_path, 
     shutil.rmtree(root)
     shutil.copytree(there, root)
     capsys.readouterr()
-    run_study(again, jobs=2, formats=("png",))
+    run_study(again, jobs=2, formats=())
     assert capsys.readouterr().out.count("not launched again") == 4
     assert json.loads((root / "figures" / "summary.json").read_text()) == summary
 
@@ -277,7 +292,7 @@ def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_datas
                         f"train.fp16_min_loss_scale={2**23}"]
     study = plan_study("gpu", tmp_path, tokenized_dataset, steps=3, extra=diverging, lrs=(1e-3,), control=False,
                        only=("study_prenorm_clip1_run2", "study_prenorm_clip10_run1"))
-    run_study(study, jobs=1, formats=("png",))
+    run_study(study, jobs=1, formats=())  # the figures built, not rendered to files: not what this test is about
     out = capsys.readouterr().out
     for run in study.runs:
         assert read_run(run.config().run_dir).diverged_at == 0
@@ -321,8 +336,10 @@ def test_a_run_carried_to_another_folder_is_the_same_run_there(tmp_path):
     read there, not refused; any other setting differing (here the lr) is still another config."""
     from musiclm_stab.experiments.launch import run_state
 
-    made_at = plan_study("cpu", tmp_path / "where_it_trained", data="work/t", design="instability").runs[0].config()
-    here = plan_study("cpu", tmp_path / "unpacked", data="work/t", design="instability").runs[0].config()
+    # the plan's first run (the first seed, lr and configuration), planned without the 179 other runs
+    first = {"data": "work/t", "design": "instability", "seeds": 1, "lrs": INSTABILITY_GRIDS["cpu"][:1]}
+    made_at = plan_study("cpu", tmp_path / "where_it_trained", **first).runs[0].config()
+    here = plan_study("cpu", tmp_path / "unpacked", **first).runs[0].config()
     assert made_at.train.output_dir != here.train.output_dir and made_at.run_dir.name == here.run_dir.name
     here.run_dir.mkdir(parents=True)
     (here.run_dir / "config.yaml").write_text(yaml.safe_dump(made_at.to_dict()))
@@ -457,7 +474,7 @@ def test_probe_every_first_seed_needs_probe(tmp_path, capsys):
     assert "--probe-every-first-seed needs --probe" in capsys.readouterr().err
 
 
-def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
+def test_carried_study_runs_are_the_committed_regime_finished_and_complete(cpu_plan):
     """The CPU study is run in pieces on machines that do not keep their files: each finished run travels in
     docs/study_cpu/runs/ (config.yaml, metrics.jsonl, tokenizer.json, study_time.json). Each must be a run of the committed
     plan with exactly the plan's config, trained to its last step (or ended by the loss-scale floor), and
@@ -467,8 +484,7 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
     from musiclm_stab.analysis.runs import read_run
 
     carried = REPO / "docs" / "study_cpu" / "runs"
-    planned = {r.config().run_dir.name: r.config() for r in
-               plan_study("cpu", "runs", data="work/hours256_tokens").runs}
+    planned = {cfg.run_dir.name: cfg for cfg in cpu_plan[1]}  # plan_study("cpu", "runs", data="work/hours256_tokens")
     dirs = sorted(d for d in carried.iterdir() if d.is_dir())
     assert re.fullmatch(r"[0-9a-f]{64}", json.loads((carried / "data.json").read_text())["codes_sha256"])
     for d in dirs:
@@ -486,7 +502,7 @@ def test_carried_study_runs_are_the_committed_regime_finished_and_complete():
     assert sorted(d.name for d in dirs) == sorted(planned), "the committed study is the whole plan"
 
 
-def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is(tmp_path):
+def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is(cpu_plan, tmp_path):
     """docs/study_cpu/figures/ holds what `study --scale cpu --probe` drew from the 42 carried runs: claims.json
     read every run, summary.json gives each run its lr, precision, fp16 mode and the held-out unigram level it
     is judged against; the carried runs give the committed claims.md again; docs/STUDY.md carries that table as
@@ -494,7 +510,7 @@ def test_committed_cpu_study_is_the_whole_plan_and_quoted_as_it_is(tmp_path):
     from musiclm_stab.analysis.claims import DOC_BEGIN, DOC_END, write_claims
 
     figures = REPO / "docs" / "study_cpu" / "figures"
-    planned = {r.config().run_dir.name for r in plan_study("cpu", "runs", data="work/hours256_tokens").runs}
+    planned = {cfg.run_dir.name for cfg in cpu_plan[1]}  # plan_study("cpu", "runs", data="work/hours256_tokens")
     claims = json.loads((figures / "claims.json").read_text())
     assert sorted(Path(d).name for d in claims["run_dirs"]) == sorted(planned)
     summary = json.loads((figures / "summary.json").read_text())

@@ -26,9 +26,27 @@ from musiclm_stab.experiments.study_plan import (
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "instability_cpu"
+DATA = "/work/v3work/hours256_tokens"  # the path the carried runs trained on (recorded in each config.yaml)
 
 
-def test_instability_plan_runs_six_configurations_at_every_rate(tmp_path):
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory) -> dict:
+    """The registered instability plan, planned once for this module's tests (each plan_study validates every
+    run's config, and every config is read from its recipe files again: seconds per hundred runs): arm ->
+    its Study (arm schemes at the design's seeds, arm mert-frontend at seed 0)."""
+    runs = tmp_path_factory.mktemp("planned")
+    return {arm: plan_study("cpu", runs, data=DATA, design="instability", arm=arm, seeds=seeds)
+            for arm, seeds in (("schemes", None), ("mert-frontend", 1))}
+
+
+@pytest.fixture(scope="module")
+def plan_configs(registered) -> dict:
+    """Each registered run's resolved config, by (its folder, its name)."""
+    configs = (r.config() for study in registered.values() for r in study.runs)
+    return {(cfg.run_dir.parent.name, cfg.run_dir.name): cfg for cfg in configs}
+
+
+def test_instability_plan_runs_six_configurations_at_every_rate(registered, tmp_path):
     """Every rate and seed has the six configurations (the QK-Norm and Post-Norm controls at every rate, not only
     the top two), each run's config is its role, with the instability overlay after the cpu scale's (no warmup,
     the frontend at its own lr, step-by-step rows, one evaluation at the end); the figures draw the six at the
@@ -46,7 +64,7 @@ def test_instability_plan_runs_six_configurations_at_every_rate(tmp_path):
     assert cfg.train.eval_every == cfg.train.max_steps and cfg.train.diagnostics_every == 5
     assert {r.lr for r in figure_runs(study)} == {1e-1} and len(figure_runs(study)) == 6 * 2
     assert claims_command(study)[:3] == ["python", "-m", "musiclm_stab.analysis.instability"]
-    default = plan_study("cpu", tmp_path, data="x", design="instability")
+    default = registered["schemes"]  # plan_study("cpu", ..., design="instability"): the grid's and seeds' defaults
     assert default.lrs == INSTABILITY_GRIDS["cpu"] and default.seeds == list(range(INSTABILITY_SEEDS["cpu"]))
 
 
@@ -83,20 +101,25 @@ def carried(tmp_path_factory) -> Path:
     return root
 
 
-def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(carried, tmp_path):
+@pytest.fixture(scope="module")
+def carried_runs(carried) -> dict:
+    """Each folder of the archive's runs, read once (analysis.claims.read_runs: the run directories found
+    under it, in order, losses in bits, as write_claims and write_failures read a folder): folder -> RunMetrics.
+    The analyses only read a RunMetrics, so the tests share them."""
+    from musiclm_stab.analysis.claims import read_runs
+
+    return {d.name: read_runs([d]) for d in sorted(carried.iterdir()) if d.is_dir()}
+
+
+def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(carried, carried_runs,
+                                                                               plan_configs):
     """docs/instability_cpu/runs.tar.xz carries the study's finished runs as they come in (it runs in pieces):
     each is a run of the registered plan (arm schemes in instability_cpu/, arm mert-frontend at seed 0 in
     instability_cpu_mert_frontend/) with exactly the plan's config, trained to its last step or ended by the
     loss-scale floor, timed, each folder on the codes its data.json names; nothing else is in it."""
-    from musiclm_stab.analysis.runs import read_run
     from musiclm_stab.experiments.launch import same_config
 
-    data = "/work/v3work/hours256_tokens"  # the path the runs trained on (recorded in each config.yaml)
-    planned = {}
-    for arm, seeds in (("schemes", None), ("mert-frontend", 1)):
-        for r in plan_study("cpu", tmp_path, data=data, design="instability", arm=arm, seeds=seeds).runs:
-            cfg = r.config()
-            planned[(cfg.run_dir.parent.name, cfg.run_dir.name)] = cfg
+    planned = plan_configs
     assert len(planned) == 180 + 30
     folders = {d.name for d in carried.iterdir()}
     assert "instability_cpu" in folders and folders <= {"instability_cpu", "instability_cpu_mert_frontend"}
@@ -105,17 +128,20 @@ def test_the_carried_instability_runs_are_finished_runs_of_the_registered_plan(c
         assert re.fullmatch(r"[0-9a-f]{64}", json.loads((carried / folder / "data.json").read_text())["codes_sha256"])
         runs += [d for d in sorted((carried / folder).iterdir()) if d.is_dir()]
     assert runs and all((d.parent.name, d.name) in planned for d in runs)
+    read = {r.path: r for folder in carried_runs.values() for r in folder}  # each run as read_run reads it
+    assert sorted(read) == sorted(runs)
     for d in runs:
         assert sorted(f.name for f in d.iterdir()) == ["config.yaml", "metrics.jsonl", "study_time.json",
                                                        "tokenizer.json"], d
         assert json.loads((d / "study_time.json").read_text())["wall_s"] > 0, d
         cfg = planned[(d.parent.name, d.name)]
         assert same_config(d, cfg), d
-        run = read_run(d)
+        run = read[d]
         assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
 
 
-def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_is(carried, tmp_path):
+def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_is(carried, carried_runs,
+                                                                                    plan_configs, tmp_path):
     """docs/instability_cpu/figures/ holds what the study drew and decided from all 180 runs of arm schemes:
     claims.md and claims.json are what analysis.instability computes again from the archive; summary.json
     gives every run its failure kind and step (no stalls: the design assesses none), its fp16 headroom and
@@ -126,9 +152,12 @@ def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_
 
     figures = DOCS / "figures"
     claims = json.loads((figures / "claims.json").read_text())
-    planned = {r.config().run_dir.name for r in plan_study("cpu", tmp_path, data="x", design="instability").runs}
+    planned = {name for folder, name in plan_configs if folder == "instability_cpu"}  # the plan's arm schemes
     assert len(planned) == 180 and sorted(Path(d).name for d in claims["run_dirs"]) == sorted(planned)
-    md, js = write_claims([carried / "instability_cpu"], tmp_path / "again", claims["levels"]["unigram_eval_cb0"])
+    # the runs of the archive's folder, as write_claims([carried / "instability_cpu"], ...) reads them
+    runs = carried_runs["instability_cpu"]
+    assert [r.path for r in runs] == sorted(d for d in (carried / "instability_cpu").iterdir() if d.is_dir())
+    md, js = write_claims(runs, tmp_path / "again", claims["levels"]["unigram_eval_cb0"])
     assert md.read_text() == (figures / "claims.md").read_text()
     again = json.loads(js.read_text())
     for d in (again, claims):
@@ -170,7 +199,8 @@ def test_the_instability_result_recomputes_from_the_archive_and_is_quoted_as_it_
     assert f"in {faster} of the {len(used)} blocks where neither failed" in " ".join(result.split())
 
 
-def test_the_mert_frontend_arm_is_described_from_the_archive_and_quoted_as_it_is(carried, tmp_path):
+def test_the_mert_frontend_arm_is_described_from_the_archive_and_quoted_as_it_is(carried, carried_runs, plan_configs,
+                                                                                  tmp_path):
     """docs/instability_cpu/figures_mert_frontend/ describes all 30 runs of arm mert-frontend (seed 0, the
     frontend at the run's lr) without deciding anything: failures.md and failures.json are what
     analysis.instability --describe computes again from the archive, and docs/STUDY.md quotes its failures."""
@@ -178,12 +208,12 @@ def test_the_mert_frontend_arm_is_described_from_the_archive_and_quoted_as_it_is
 
     figures = DOCS / "figures_mert_frontend"
     described = json.loads((figures / "failures.json").read_text())
-    planned = {r.config().run_dir.name for r in plan_study("cpu", tmp_path, data="x", design="instability",
-                                                           arm="mert-frontend", seeds=1).runs}
+    planned = {name for folder, name in plan_configs if folder == "instability_cpu_mert_frontend"}
     assert len(planned) == 30 and sorted(Path(d).name for d in described["run_dirs"]) == sorted(planned)
     assert not (figures / "claims.md").exists() and not (figures / "claims.json").exists()
-    md, _ = write_failures([carried / "instability_cpu_mert_frontend"], tmp_path / "again",
-                           described["levels"]["unigram_eval_cb0"])
+    runs = carried_runs["instability_cpu_mert_frontend"]  # as write_failures reads the archive's folder
+    assert [r.path for r in runs] == sorted(d for d in (carried / "instability_cpu_mert_frontend").iterdir() if d.is_dir())
+    md, _ = write_failures(runs, tmp_path / "again", described["levels"]["unigram_eval_cb0"])
     assert md.read_text() == (figures / "failures.md").read_text()
     text = (REPO / "docs" / "STUDY.md").read_text().split("### Arm `mert-frontend`: described, not decided", 1)[1]
     kinds = {}
