@@ -19,19 +19,30 @@ from musiclm_stab.corpus.labels import read_labels  # noqa: E402
 from musiclm_stab.model.cqt import CQT  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def rendered_tokens(tmp_path_factory, local_weights):
-    """4 chorales cut at 14 s (labels written by build_corpus), tokenized: (corpus dir, tokens dir).
-    Each track gives a 10 s and a 4 s segment."""
+def _rendered_and_tokenized(root, local_weights, max_seconds: float):
+    """4 chorales cut at ``max_seconds`` (labels written by build_corpus), tokenized in 10 s segments:
+    (corpus dir, tokens dir)."""
     from musiclm_stab.tokenizer.pipeline import tokenize
 
-    root = tmp_path_factory.mktemp("probe")
     corpus = root / "corpus"
-    build.build_corpus(corpus, num_tracks=4, seed=0, max_seconds=14, progress=False)
+    build.build_corpus(corpus, num_tracks=4, seed=0, max_seconds=max_seconds, progress=False)
     tokens = root / "tokens"
     tokenize(corpus, tokens, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
              weights_note="test weights fitted on synthetic music", workers=0)
     return corpus, tokens
+
+
+@pytest.fixture(scope="module")
+def rendered_tokens(tmp_path_factory, local_weights):
+    """4 chorales cut at 14 s, tokenized: (corpus dir, tokens dir). Each track gives a 10 s and a 4 s segment."""
+    return _rendered_and_tokenized(tmp_path_factory.mktemp("probe"), local_weights, 14)
+
+
+@pytest.fixture(scope="module")
+def short_rendered_tokens(tmp_path_factory, local_weights):
+    """The same 4 chorales cut at 4 s, tokenized: one 4 s segment each. The study's probes take every frame
+    (1200 here, 4200 of the 14 s cut), so its test probes these."""
+    return _rendered_and_tokenized(tmp_path_factory.mktemp("probe_short"), local_weights, 4)
 
 
 def train(cfg):
@@ -136,7 +147,7 @@ def test_probe_scores_every_layer_and_baseline_deterministically(trained_run, re
             assert paired["ci95"][0] <= paired["diff"] <= paired["ci95"][1], (layer, task, paired)
 
 
-def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path, capsys):
+def test_study_probes_seed_zero_of_each_configuration(short_rendered_tokens, tmp_path, capsys):
     """`study --probe`'s step, two runs at a time: the pitch probes of seed 0 of each of the four
     configurations (not the other seeds), against random init at the one L2 penalty, their figure among the
     study's figures, and the claims table's probe column with one value per configuration."""
@@ -146,8 +157,8 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path,
 
     extra = ["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
              "train.diagnostics_every=0"]
-    study = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, lrs=(1e-2,), control=False,
-                       extra=extra)
+    study = plan_study("cpu", tmp_path / "runs", short_rendered_tokens[1], steps=1, seeds=2, lrs=(1e-2,),
+                       control=False, extra=extra)  # one step: a run to probe, half the cost of two
     dirs = [train(run.config()) for run in study.runs]
     # no held-out loss (eval_every 0): no best cell beyond the figure lr's runs
     figure = probe_study(study, jobs=2)  # two runs at a time, in spawned processes
@@ -181,7 +192,7 @@ def test_study_probes_seed_zero_of_each_configuration(rendered_tokens, tmp_path,
     from musiclm_stab.analysis.probe_figure import save_probe_figure
     from musiclm_stab.experiments.study import probed_already
 
-    wider = plan_study("cpu", tmp_path / "runs", rendered_tokens[1], steps=2, seeds=2, lrs=(3e-3, 1e-2),
+    wider = plan_study("cpu", tmp_path / "runs", short_rendered_tokens[1], steps=1, seeds=2, lrs=(3e-3, 1e-2),
                        control=False, extra=extra)
     for d in dirs:
         copy = shutil.copytree(d, d.with_name(d.name.replace("_lr1e-2_", "_lr3e-3_")))
@@ -215,6 +226,7 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
     from musiclm_stab.experiments.study_plan import CONTROL, STUDY_RECIPES, figure_runs, plan_study
 
     study = plan_study("cpu", tmp_path, "/data/tokens", seeds=2, lrs=(3e-3, 1e-2))
+    run_dirs = [run.config().run_dir for run in study.runs]  # once: each config() reads the recipe files again
     figure = [r.config().run_dir for r in figure_runs(study) if r.seed == 0]
     assert len(figure) == 4 and all("_lr1e-2_s0" in d.name for d in figure)
     role = dict(zip(STUDY_RECIPES, ROLES)) | {CONTROL: "qknorm"}
@@ -222,7 +234,7 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
     def stats(best: tuple[str, float], diverged: tuple[str, float] | None = None, drop=None,
               low: float = 5.0) -> list[RunStats]:
         out = []
-        for run in study.runs:
+        for run, run_dir in zip(study.runs, run_dirs):
             cell = (run.stem, run.lr)
             if (cell, run.seed) == drop:
                 continue
@@ -230,7 +242,7 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
             gone = cell == diverged and run.seed == 1  # seed 0 the lowest of all, seed 1 diverged (cap 10)
             if cell == diverged:
                 loss = low if run.seed == 0 else math.nan
-            out.append(RunStats(path=str(run.config().run_dir), role=role[run.stem], lr=run.lr, seed=run.seed,
+            out.append(RunStats(path=str(run_dir), role=role[run.stem], lr=run.lr, seed=run.seed,
                                 precision="fp32", early_loss=math.nan, median_grad_norm=math.nan,
                                 peak_ratio=math.nan, clip_share_early=math.nan,
                                 instability=Instability(0, 0, 0, gone), final_eval_cb0=loss, initial_eval_cb0=10.0))
@@ -258,7 +270,7 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
     # a study in pieces probes the first seed of every cell, the claims' runs first, never the control
     every = probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)), every_first_seed=True)
     assert every[:5] == probe_targets(study, stats((STUDY_RECIPES[2], 3e-3)))
-    assert sorted(every) == sorted(r.config().run_dir for r in study.runs if r.seed == 0 and r.stem != CONTROL)
+    assert sorted(every) == sorted(d for r, d in zip(study.runs, run_dirs) if r.seed == 0 and r.stem != CONTROL)
     assert len(every) == 8
 
 
@@ -288,7 +300,7 @@ def test_probe_is_deterministic_given_the_seed(trained_run):
     again, the L2 penalty chosen again) give the same results, to the bit; another seed draws another
     random init and deals the tracks into other folds."""
     kwargs = dict(tasks=["pitch", "key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
-                  progress=False, write=False, use_cache=False)
+                  progress=False, write=False, use_cache=False, l2_grid=[1e-1, 1e-3])  # two to choose from
     a, b = (probe.probe_run(trained_run, seed=0, **kwargs) for _ in range(2))
     assert a["results"] == b["results"] and a["fold_tracks"] == b["fold_tracks"]
     first = probe_data.random_init_model(trained_run, seed=0).module.state_dict()
@@ -307,7 +319,7 @@ def test_random_init_features_are_shared_by_runs_of_one_architecture(trained_run
     for d in (first, second):
         shutil.copytree(trained_run, d, ignore=shutil.ignore_patterns("probe"))
     kwargs = dict(tasks=["key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
-                  progress=False, write=False)
+                  progress=False, write=False, l2_grid=[0.01])  # one penalty: no choosing, a fifth of the fits
     done = probe.probe_run(first, **kwargs)
     extracted: list[str] = []
     real = probe_data._extract
