@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,15 +23,21 @@ REPO = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"  # pretrain.py with a fault (TRAIN_FAULT)
 
 
+def run_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
+    """pretrain.py's arguments for the tiny recipe's run ``name`` in ``out``: what ``start`` launches."""
+    return ["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}", f"--train.output_dir={out}",
+            f"--train.name={name}", "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3",
+            "--optim.warmup_steps=2", "--train.checkpoint_every=2", "--train.keep_checkpoints=10", *extra]
+
+
 def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """The tiny recipe as a subprocess; through tests/train_faults.py when ``env`` sets TRAIN_FAULT; ``popen``:
     more arguments of ``subprocess.Popen``."""
     script = FAULTS if env and "TRAIN_FAULT" in env else REPO / "recipes" / "pretrain.py"
-    cmd = [sys.executable, str(script), "--config", str(REPO / "recipes" / "tiny.yaml"),
-           f"--data.path={data}", f"--train.output_dir={out}", f"--train.name={name}", "--data.crop_seconds=2.0",
-           "--data.batch_size=2", "--data.eval_fraction=0.3", "--optim.warmup_steps=2",
-           "--train.checkpoint_every=2", "--train.keep_checkpoints=10", *extra]
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, str(script), *run_args(data, out, name, *extra)]
+    # One intra-op thread: the tiny model's tensors on shared cores, where threads only add overhead (their
+    # waiting made each step cost about 5x its CPU time here); the runs compared all train under it.
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **popen)
 
@@ -197,20 +204,21 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_still_checkpoint
         raise AssertionError("a DataLoader worker outlived the trainer")
 
 
-def test_damaged_checkpoint_is_skipped(tokenized_dataset, tmp_path):
+def test_damaged_checkpoint_is_skipped(reference_run, tmp_path):
     """A checkpoint whose weights no longer match the manifest is skipped with a warning naming it."""
-    finish(start(tokenized_dataset, tmp_path, "d", "--train.max_steps=4"))
     run_dir = tmp_path / "d"
+    shutil.copytree(reference_run, run_dir)  # a trained run's copy: the reference run is shared, read only
     newest = checkpoint.list_checkpoints(run_dir)[-1]
     weights = newest / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match="step_00000004.*model.safetensors does not match"):
+    with pytest.warns(UserWarning, match="step_00000006.*model.safetensors does not match"):
         ckpt = checkpoint.newest_valid(run_dir)
-    assert ckpt.name == "step_00000002"
-    (run_dir / "checkpoints" / ".tmp-step_00000006").mkdir()  # a write interrupted by a crash
-    assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
+    assert ckpt.name == "step_00000004"
+    (run_dir / "checkpoints" / ".tmp-step_00000008").mkdir()  # a write interrupted by a crash
+    assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004",
+                                                                      "step_00000006"]
 
 
 def test_resume_with_a_changed_data_position_is_refused(tokenized_dataset, reference_run, reference,

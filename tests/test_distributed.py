@@ -53,7 +53,7 @@ def pretrain_args(data: Path, out: Path, name: str, procs: int, *extra: str) -> 
 
 def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 0, use_cpu: bool = True) -> str:
     script = [str(REPO / "recipes" / "pretrain.py"), *pretrain_args(data, out, name, procs, *extra)]
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as run_here
     if procs == 1:
         cmd = [sys.executable, *script]
     else:  # `accelerate launch --cpu` starts one process here; torchrun + ACCELERATE_USE_CPU gives real gloo ranks
@@ -68,8 +68,10 @@ def launch(data: Path, out: Path, name: str, procs: int, *extra: str, rc: int = 
 
 def run_here(data: Path, out: Path, name: str, capsys, *extra: str, rc: int = 0) -> str:
     """One process, in this one: pretrain.py's main with ``launch``'s arguments (a subprocess would spend
-    most of its time importing torch again). Leaves accelerate's process-wide state to the
-    fresh_accelerate_state fixture."""
+    most of its time importing torch again), on one intra-op thread as ``launch``'s processes (the tiny
+    model's tensors on shared cores: threads only add overhead). Leaves accelerate's process-wide state to
+    the fresh_accelerate_state fixture."""
+    import torch
     from accelerate.state import AcceleratorState, GradientState
 
     from musiclm_stab.training.trainer import main
@@ -77,8 +79,13 @@ def run_here(data: Path, out: Path, name: str, capsys, *extra: str, rc: int = 0)
     AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
     GradientState._reset_state()
     capsys.readouterr()
-    with contextlib.chdir(out):  # as launch runs it
-        assert main(pretrain_args(data, out, name, 1, *extra)) == rc
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.chdir(out):  # as launch runs it
+            assert main(pretrain_args(data, out, name, 1, *extra)) == rc
+    finally:
+        torch.set_num_threads(threads)
     said = capsys.readouterr()
     assert rc or "1 process(es)" in said.out, said.out[-2000:]
     return said.out + said.err

@@ -13,10 +13,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_checkpoint import REPO, finish, kill, pause_at, rows, start, wait_for_file
+from test_checkpoint import REPO, finish, kill, pause_at, rows, run_args, start, wait_for_file
 from test_distributed import launch_reporting
 
 from musiclm_stab.training import checkpoint
+from musiclm_stab.training import trainer as train
 
 LOCK_FILE = ".train.lock"  # run_dir.LOCK_FILE: what a second trainer's refusal names
 
@@ -38,13 +39,14 @@ def hold(run_dir: Path) -> subprocess.Popen:
     return proc
 
 
-def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kill_9(tokenized_dataset, tmp_path):
+def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kill_9(tokenized_dataset, tmp_path,
+                                                                                   capsys, fresh_accelerate_state):
     """Trainer A is held in the middle of writing checkpoint 4 (its loader with 2 worker processes); a
-    requeued `--resume` of the same run and a fresh launch of it are each refused with exit 2 and one
-    line naming A's pid, and touch nothing: A's partial write is not removed as a crash's, no metrics row
-    is added (before: both trained, 43 rows for 30 steps). Right after kill -9 of A (its workers may still
-    be exiting: a record lock is not theirs), `--resume` is accepted and finishes: A's rows after its
-    checkpoint 2 moved aside, every step logged once, in order."""
+    requeued `--resume` of the same run and a fresh start of it (pretrain.py's main, in this process) are
+    each refused with exit 2 and one line naming A's pid, and touch nothing: A's partial write is not
+    removed as a crash's, no metrics row is added (before: both trained, 43 rows for 30 steps). Right after
+    kill -9 of A (its workers may still be exiting: a record lock is not theirs), `--resume` is accepted and
+    finishes: A's rows after its checkpoint 2 moved aside, every step logged once, in order."""
     run_dir, marker = tmp_path / "r", tmp_path / "paused"
     a = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--data.num_workers=2",
               env=pause_at(4, "files", marker))
@@ -54,10 +56,14 @@ def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kil
         partial = run_dir / "checkpoints" / ".tmp-step_00000004"
         assert partial.is_dir()
         for extra in (["--resume"], []):
-            b = start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", *extra)
-            out, _ = b.communicate(timeout=300)
+            # The second trainer in this process (a refusal needs no process of its own: A's record lock is
+            # another process's; test_two_fresh_launches_of_one_run_one_trains refuses a launched one)
+            capsys.readouterr()
+            code = train.main(run_args(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", *extra))
+            said = capsys.readouterr()
+            out = said.out + said.err
             errors = [line for line in out.splitlines() if line.startswith("error: ")]
-            assert b.returncode == 2, out[-3000:]
+            assert code == 2, out[-3000:]
             assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
             assert errors[0].startswith(f"error: run directory {run_dir} is being trained by process {a.pid} "), errors
             assert f"(its lock, {run_dir / LOCK_FILE}, is released when that process exits)" in errors[0]

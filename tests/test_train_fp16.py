@@ -18,6 +18,16 @@ from musiclm_stab.training.trainer import Trainer
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # in-process Trainers (conftest.py)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's tensors on shared cores: intra-op threads only add overhead (their waiting made each
+    step cost about 5x its CPU time here); the runs each test compares all train under it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def fp16_cfg(data, tmp_path, *overrides, name="run"):
     return load_config("recipes/tiny.yaml", [
         f"--data.path={data}", f"--train.output_dir={tmp_path}", f"--train.name={name}", "--data.crop_seconds=2.0",
