@@ -44,9 +44,12 @@ def _plan(out) -> list[list]:
 
 @pytest.fixture(scope="module")
 def rates_src(tmp_path_factory, make_music):
-    """4.2 s stereo tracks at rates whose resampler frames do (44.1, 22.05 kHz) and do not (44101 Hz:
-    read from the start) divide the decode block, a 24 kHz one (no resampling), a float WAV (not split:
-    its gain depends on the whole track) and a short track (not split)."""
+    """4.2 s stereo tracks at rates whose resampler frames do and do not divide the decode block, a 24 kHz
+    one (no resampling), a float WAV (not split: its gain depends on the whole track) and a short track
+    (not split). With the test's 0.7 s blocks, int(0.7 * rate) frames: 44101 Hz (resampled as 44.1 kHz, 147
+    frames in, 80 out) has blocks of 30870 = 210 x 147 frames, so its pieces read from the block before
+    theirs; 44.1 and 22.05 kHz have blocks of 30869 and 15434 frames (0.7 * rate rounds down), not whole
+    resampler frames, so theirs read from the start of the track."""
     src = tmp_path_factory.mktemp("rates") / "src"
     src.mkdir()
     for name, sr in (("a44k.flac", 44_100), ("b22k.flac", 22_050), ("c44101.wav", 44_101), ("d24k.wav", 24_000)):
