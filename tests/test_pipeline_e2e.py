@@ -1,7 +1,9 @@
 """End to end through the real entry points: build-corpus -> tokenize -> accelerate launch -> evaluate -> resume.
 
 Nothing of ours is mocked: real chorales rendered to FLAC, real EnCodec (locally fitted weights, since the
-pretrained download is impossible offline), a real HF dataset on disk, real `accelerate launch`.
+pretrained download is impossible offline), a real HF dataset on disk, real `accelerate launch`. The
+refusals are asked of the same entry points' main functions in this process (the trainer's, which
+accelerate launch runs, and the CLI's): each stops before anything is trained or evaluated.
 """
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ STEP_METRICS = (["loss", "grad_norm", "grad_clipped", "lr", "musical_mlm_loss", 
                 + [f"acoustic_acc/cb{k}" for k in range(8)])
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
+    if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
-def launch(tmp: Path, data: Path, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+def launch_args(tmp: Path, data: Path, name: str, *extra: str) -> list[str]:
+    """The trainer's arguments (recipes/pretrain.py's) for run ``name`` of ``data`` under ``tmp``/runs."""
+    return ["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}", f"--train.output_dir={tmp / 'runs'}",
+            f"--train.name={name}", "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3",
+            "--optim.warmup_steps=2", "--train.checkpoint_every=2", "--train.keep_checkpoints=5", *extra]
+
+
+def launch(tmp: Path, data: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "recipes" / "pretrain.py"),
-           "--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}", f"--train.output_dir={tmp / 'runs'}",
-           f"--train.name={name}", "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3",
-           "--optim.warmup_steps=2", "--train.checkpoint_every=2", "--train.keep_checkpoints=5", *extra]
-    return run(cmd, tmp, check)
+           *launch_args(tmp, data, name, *extra)]
+    return run(cmd, tmp)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -47,11 +54,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory, local_weights) -> Path:
-    """Three real chorales (12 s each) rendered and tokenized through the CLI."""
+    """Three real chorales (7.5 s each) rendered and tokenized through the CLI: 3 rows of 2.5 s per track,
+    longer than the 2 s crop (crops are drawn); one track is held out (eval_fraction 0.3), so an epoch is 3
+    batches of 2 and the run stopped at step 4 resumes mid-epoch."""
     tmp = tmp_path_factory.mktemp("e2e")
-    run(CLI + ["build-corpus", str(tmp / "corpus"), "--num-tracks", "3", "--max-seconds", "12"], tmp)
+    run(CLI + ["build-corpus", str(tmp / "corpus"), "--num-tracks", "3", "--max-seconds", "7.5"], tmp)
     run(CLI + ["tokenize", str(tmp / "corpus"), str(tmp / "tokens"), "--weights", str(local_weights),
-               "--segment-seconds", "4"], tmp)
+               "--segment-seconds", "2.5"], tmp)
     assert (tmp / "tokens" / "failures.jsonl").read_text().strip() == ""
     return tmp / "tokens"
 
@@ -102,19 +111,23 @@ def test_pretrain_evaluate_resume(tokens, uninterrupted, tmp_path):
             assert ra[m] == pytest.approx(rb[m], rel=1e-6, abs=1e-7), (ra["step"], m)
 
 
-def test_refuses_mixed_tokenizers_and_existing_run(tokens, uninterrupted, tmp_path):
+def test_refuses_mixed_tokenizers_and_existing_run(tokens, uninterrupted, tmp_path, capsys, fresh_accelerate_state):
     """Evaluation refuses data tokenized with other weights; training refuses to overwrite a run."""
+    from musiclm_stab import cli
+    from musiclm_stab.training import trainer
+
     before = read_metrics(uninterrupted)
     other = tmp_path / "other_tokens"
     shutil.copytree(tokens, other)
     meta = json.loads((other / "tokenizer.json").read_text())
     meta["weights_sha256"] = "0" * 64
     (other / "tokenizer.json").write_text(json.dumps(meta))
-    proc = run(CLI + ["evaluate", str(uninterrupted), "--data", str(other)], tmp_path, check=False)
-    assert proc.returncode != 0 and "0000000000" in proc.stderr
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(uninterrupted), "--data", str(other)]) != 0
+    assert "0000000000" in capsys.readouterr().err
     runs = uninterrupted.parent.parent  # the run, already trained (in a folder of the fixture's)
-    again = launch(runs, tokens, uninterrupted.name, "--train.max_steps=6", check=False)
-    assert again.returncode != 0 and "already exists" in again.stderr
-    resumed_other = launch(runs, other, uninterrupted.name, "--train.max_steps=8", "--resume", check=False)
-    assert resumed_other.returncode != 0 and "0000000000" in resumed_other.stderr
+    args = launch_args(runs, tokens, uninterrupted.name, "--train.max_steps=6")
+    assert trainer.main(args) != 0 and "already exists" in capsys.readouterr().err
+    args = launch_args(runs, other, uninterrupted.name, "--train.max_steps=8", "--resume")
+    assert trainer.main(args) != 0 and "0000000000" in capsys.readouterr().err
     assert read_metrics(uninterrupted) == before  # each refusal left the run as it was

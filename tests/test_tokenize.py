@@ -55,13 +55,17 @@ def test_codes_are_the_encoders_codes_and_not_constant(tokenized_dataset, local_
     model, _ = load_encodec(str(local_weights))
     rows = ds.with_format("torch")
     full = [r for r in rows if r["num_frames"] == 750]  # each track's first segment: a batch of its own
+    tails = [r for r in rows if r["num_frames"] == 150]  # and its 2 s tail: another
+    # every track's rows are compared (its tail), and a 10 s segment: the first track's
+    compared = [full[0], *tails]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the tokenizer encodes: float rounding (so ties) depends on threads
     try:
-        codes = torch.cat([encode_batch(model, r["pcm"][None]) for r in full])  # (3, 8, 750)
+        codes = torch.cat([encode_batch(model, r["pcm"][None])[0].flatten() for r in compared])
     finally:
         torch.set_num_threads(threads)
-    stored = torch.stack([r["codes"] for r in full]).to(torch.int16)
+    stored = torch.cat([r["codes"].flatten() for r in compared]).to(torch.int16)
+    assert codes.shape == stored.shape == (8 * (750 + 3 * 150),)
     agree = (codes == stored).float().mean().item()
     assert agree > 0.999, agree  # bit-exact here; a float-level tie may flip a code elsewhere
     for r in full:
@@ -78,7 +82,7 @@ def test_encode_batch_runs_the_convolutions_one_segment_at_a_time_with_the_codes
     one segment's activations), its LSTM the whole batch, and the codes are model.encode's on the batch."""
     model, _ = load_encodec(str(local_weights))
     model = prepare_for_inference(model)
-    pcm = torch.from_numpy(make_music(8.0, seed=5)).view(4, -1)[:, : 2 * 24_000]  # 4 segments of 2 s
+    pcm = torch.from_numpy(make_music(4.0, seed=5)).view(4, -1)[:, :24_000]  # 4 segments of 1 s
     seen = {"first conv": [], "lstm": []}
     first = model.encoder.model[0]
     lstm = next(m for m in model.encoder.model if type(m).__name__ == "SLSTM")
@@ -95,7 +99,7 @@ def test_encode_batch_runs_the_convolutions_one_segment_at_a_time_with_the_codes
     finally:
         torch.set_num_threads(threads)
     assert seen == {"first conv": [1, 1, 1, 1], "lstm": [4]}
-    assert codes.shape == batched.shape == (4, 8, 150)
+    assert codes.shape == batched.shape == (4, 8, 75)
     agree = (codes == batched).float().mean().item()
     assert agree > 0.999, agree  # bit-exact here; a float-level tie may flip a code elsewhere
 
@@ -249,8 +253,14 @@ def test_output_folder_is_protected(tmp_path, tokenized_dataset, local_weights):
     assert (tmp_path / "precious" / "thesis.tex").exists()
     copy = tmp_path / "copy"
     shutil.copytree(tokenized_dataset, copy)
-    summary = tokenize(src, copy, weights=str(local_weights), segment_seconds=6.0, overwrite=True, progress=False, workers=0)
-    assert summary.num_rows == 6 and load_tokenized(copy)[1]["segment_seconds"] == 6.0
+    one = tmp_path / "one_track"  # one of the tracks (12 s): what it replaces the output with
+    one.mkdir()
+    shutil.copy(src / "track_0.wav", one)
+    summary = tokenize(one, copy, weights=str(local_weights), segment_seconds=6.0, overwrite=True, progress=False,
+                       workers=0)
+    ds, meta = load_tokenized(copy)
+    assert summary.num_rows == 2 and meta["segment_seconds"] == 6.0
+    assert ds["id"] == ["track_0.wav@0", "track_0.wav@144000"]  # none of the output it replaced
 
 
 def test_load_tokenized_explains_bad_paths(tmp_path):

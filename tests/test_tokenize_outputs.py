@@ -42,6 +42,16 @@ def _ids(out) -> list[str]:
     return load_tokenized(out)[0]["id"]
 
 
+@pytest.fixture(scope="module")
+def clean_ids(four_tracks, local_weights, tmp_path_factory) -> list[str]:
+    """The row ids of an uninterrupted run over ``four_tracks`` (1 s segments, a unit per track; the batch
+    size does not change the rows)."""
+    out = tmp_path_factory.mktemp("clean") / "out"
+    tokenize(four_tracks, out, weights=str(local_weights), segment_seconds=1.0, part_tracks=1, workers=0,
+             progress=False)
+    return _ids(out)
+
+
 class _Disk:
     """Room for ``capacity`` bytes of part files: a write beyond fails as a full disk fails (ENOSPC).
 
@@ -73,7 +83,8 @@ class _Metered:
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_a_full_disk_stops_the_run_and_loses_no_track(four_tracks, tmp_path, local_weights, monkeypatch, batch_size):
+def test_a_full_disk_stops_the_run_and_loses_no_track(four_tracks, clean_ids, tmp_path, local_weights, monkeypatch,
+                                                      batch_size):
     """Room for two units' parts: the run stops at the third with OutputWriteError (the part file, "No space
     left on device", what is kept, "free some space"), no failure is recorded, the two units stay, and the
     rerun writes the other two: the rows of an uninterrupted run. Before: with --batch-size 1 the last two
@@ -95,12 +106,7 @@ def test_a_full_disk_stops_the_run_and_loses_no_track(four_tracks, tmp_path, loc
     monkeypatch.undo()
     s = tokenize(four_tracks, out, **kw)
     assert (s.num_tracks, s.num_failures, s.units_done_before) == (4, 0, 2)
-    assert _ids(out) == _ids_of_a_clean_run(four_tracks, tmp_path, kw)
-
-
-def _ids_of_a_clean_run(src, tmp_path, kw) -> list[str]:
-    tokenize(src, tmp_path / "clean", **kw)
-    return _ids(tmp_path / "clean")
+    assert _ids(out) == clean_ids
 
 
 def test_a_full_disk_at_a_unit_record_stops_the_run(four_tracks, tmp_path, local_weights, monkeypatch):
@@ -133,21 +139,21 @@ def _file_size_limit(limit: int):
 
 
 def test_a_file_size_limit_is_named_as_such_and_loses_no_track(tmp_path, local_weights, make_music):
-    """A real process under a 1 MB file size limit (ulimit -f, RLIMIT_FSIZE) tokenizing with a worker
-    process and the default batch size: the 12 s track's part cannot be written (EFBIG); the CLI exits 1
+    """A real process under a 512 kB file size limit (ulimit -f, RLIMIT_FSIZE) tokenizing with a worker
+    process and the default batch size: the 6 s track's part cannot be written (EFBIG); the CLI exits 1
     with one line that names the part and the limit, without the full-disk advice; no failure is
     recorded, and a rerun without the limit tokenizes all 4 tracks. Before: a traceback (or, with
     --batch-size 1, the track recorded as a bad input)."""
     src = tmp_path / "src"
     src.mkdir()
-    for i, seconds in enumerate((2.0, 12.0, 2.0, 2.0)):  # t1's part: 1.15 MB of pcm
+    for i, seconds in enumerate((1.0, 6.0, 1.0, 1.0)):  # t1's part: 576 kB of pcm, the others' 96 kB
         sf.write(src / f"t{i}.wav", make_music(seconds, seed=50 + i), SR)
     out = tmp_path / "out"
     args = [str(src), str(out), "--weights", str(local_weights), "--segment-seconds", "1", "--part-tracks", "1",
             "--workers", "1", "--no-progress"]
     code = "import sys; from musiclm_stab.cli import main; sys.exit(main(sys.argv[1:]))"
     r = run_group([sys.executable, "-c", code, "tokenize", *args], timeout=300, cwd=tmp_path,
-                  preexec_fn=_file_size_limit(2**20))
+                  preexec_fn=_file_size_limit(2**19))
     assert r.returncode == 1, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr

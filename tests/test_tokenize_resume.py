@@ -72,24 +72,46 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_for(predicate, proc, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None and not predicate():
+        time.sleep(0.05)
+    assert proc.poll() is None, f"finished or failed too early: {proc.stderr.read().decode()[-2000:]}"
+
+
 def test_sigkill_mid_run_then_rerun_equals_uninterrupted_run(corpus, reference, local_weights, tmp_path):
-    """`musiclm-stab tokenize` (2 worker processes) killed with SIGKILL after some units are committed
-    leaves no process behind and no tokenizer.json; the same command again finishes with the reference
-    rows (ids, codes, pcm) exactly once each and the same failures."""
+    """`musiclm-stab tokenize` (2 worker processes) on OUT: while it runs, a second run (tokenize() on OUT)
+    raises OutputBusy at once, naming its pid and command; killed with SIGKILL after some units are
+    committed it leaves no process behind and no tokenizer.json, and its lock dies with it: the same call
+    again finishes with the reference rows (ids, codes, pcm) exactly once each and the same failures.
+    (One launch serves both: the refusal is checked before the units the kill waits for.)"""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "musiclm_stab.cli", "tokenize", str(corpus), str(out),
            "--weights", str(local_weights), "--workers", "2", *CLI_ARGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     units = out / ".tokenize" / "units"
-    deadline, family = time.monotonic() + 600, set()
-    while time.monotonic() < deadline and proc.poll() is None:
-        family |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        if units.is_dir() and len(list(units.glob("u*.json"))) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"finished or failed before the kill: {proc.stderr.read().decode()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        # a second run on one output fails fast
+        lock = out / ".tokenize.lock"
+        _wait_for(lambda: lock.is_file() and f'"pid": {proc.pid}' in lock.read_text(), proc)
+        t0 = time.monotonic()
+        with pytest.raises(OutputBusy, match=rf"being written by process {proc.pid} on .*tokenize {corpus}"):
+            tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
+        assert time.monotonic() - t0 < 20  # no waiting for the lock (measured ~0.1 s)
+        assert proc.poll() is None, "the other run finished before the check: no concurrency was tested"
+
+        # SIGKILL once some units are committed
+        deadline, family = time.monotonic() + 600, set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            family |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            if units.is_dir() and len(list(units.glob("u*.json"))) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished or failed before the kill: {proc.stderr.read().decode()[-2000:]}"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
     done = len(list(units.glob("u*.json")))
     assert 3 <= done < 9 and not (out / "tokenizer.json").exists()
     deadline = time.monotonic() + 30  # the workers die with their parent (PR_SET_PDEATHSIG)
@@ -97,6 +119,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted_run(corpus, reference, 
         time.sleep(0.1)
     assert family and not any(map(_alive, family))
 
+    # the lock died with its holder: the same call runs and ends with the reference
     summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
     assert summary.units_done_before >= done and summary.num_units == 9
     assert (summary.num_rows, summary.num_failures) == (24, 1)
@@ -142,39 +165,6 @@ def test_other_weights_or_settings_against_a_partial_output_are_refused(corpus, 
         tokenize(corpus, out, weights=str(local_weights), workers=0, batch_size=4, **ARGS)
     job = json.loads((out / ".tokenize" / "job.json").read_text())
     assert job["plan"]["num_tracks"] == 9 and len(job["plan"]["units"]) == 9
-
-
-def _wait_for(predicate, proc, seconds: float = 600) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and proc.poll() is None and not predicate():
-        time.sleep(0.05)
-    assert proc.poll() is None, f"finished or failed too early: {proc.stderr.read().decode()[-2000:]}"
-
-
-def test_a_second_run_on_one_output_fails_fast_and_a_killed_holder_does_not_block(corpus, reference, local_weights,
-                                                                                 tmp_path):
-    """While `musiclm-stab tokenize` writes OUT, tokenize() on OUT raises OutputBusy at once, naming the other
-    process's pid and command; after that process is killed with SIGKILL (its lock dies with it) the same
-    call runs and finishes with the reference rows."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "musiclm_stab.cli", "tokenize", str(corpus), str(out),
-           "--weights", str(local_weights), "--workers", "2", *CLI_ARGS]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        lock = out / ".tokenize.lock"
-        _wait_for(lambda: lock.is_file() and f'"pid": {proc.pid}' in lock.read_text(), proc)
-        t0 = time.monotonic()
-        with pytest.raises(OutputBusy, match=rf"being written by process {proc.pid} on .*tokenize {corpus}"):
-            tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
-        assert time.monotonic() - t0 < 20  # no waiting for the lock (measured ~0.1 s)
-        assert proc.poll() is None, "the other run finished before the check: no concurrency was tested"
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    summary = tokenize(corpus, out, weights=str(local_weights), workers=0, **ARGS)
-    assert (summary.num_rows, summary.num_failures) == (24, 1)
-    _assert_same_rows(_rows(out), _rows(reference))
 
 
 def test_the_lock_dies_with_its_holder_even_while_a_child_of_it_lives(tmp_path):
