@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,11 @@ import pytest
 import soundfile as sf
 
 SR = 24_000
+
+# `make test` runs two workers on two cores: one intra-op thread per worker, and per process a test starts
+# (they inherit it), instead of two each fighting for the same cores. Set before torch starts its thread pool;
+# a test that needs more threads sets them itself. An OMP_NUM_THREADS already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def synth_music(seconds: float, seed: int = 0, sr: int = SR, channels: int = 1) -> np.ndarray:
