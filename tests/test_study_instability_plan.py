@@ -35,8 +35,8 @@ def registered(tmp_path_factory) -> dict:
     run's config, and every config is read from its recipe files again: seconds per hundred runs): arm ->
     its Study (arm schemes at the design's seeds, arm mert-frontend at seed 0)."""
     runs = tmp_path_factory.mktemp("planned")
-    return {arm: plan_study("cpu", runs, data=DATA, design="instability", arm=arm, seeds=seeds)
-            for arm, seeds in (("schemes", None), ("mert-frontend", 1))}
+    return {"schemes": plan_study("cpu", runs, data=DATA, design="instability"),  # the arm's and seeds' defaults
+            "mert-frontend": plan_study("cpu", runs, data=DATA, design="instability", arm="mert-frontend", seeds=1)}
 
 
 @pytest.fixture(scope="module")

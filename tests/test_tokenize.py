@@ -304,3 +304,32 @@ def test_cli_without_weights_offline_explains(tmp_path, monkeypatch, make_music,
     err = capsys.readouterr().err
     assert "--weights FILE" in err and "make-weights" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_tokenizer_encodes_on_one_thread_whatever_the_callers(local_weights, make_music, tmp_path, monkeypatch):
+    """Codes at near-ties depend on the thread count: tokenize encodes on one torch thread in this process
+    (workers=0), as its workers do, even when its caller runs on two, and gives the caller's count back after.
+    (The rows of a caller on two threads equalled a worker's in the tests on this corpus even without the pin:
+    ties are rare, so only a direct look proves it.)"""
+    import musiclm_stab.tokenizer.units as units
+
+    seen = []
+    real = units.encode_batch
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(units, "encode_batch", spy)
+    src = tmp_path / "src"
+    src.mkdir()
+    sf.write(src / "a.wav", make_music(2.0, seed=3), SR)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokenize(src, tmp_path / "out", weights=str(local_weights), min_seconds=1.0, progress=False, workers=0,
+                 weights_note="test weights fitted on synthetic music")
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1} and after == 2
