@@ -16,7 +16,16 @@ from musiclm_stab.data.crops import (
            split_indices,
 )
 from musiclm_stab.data.masking import span_mask
-from musiclm_stab.data.streaming import StreamingCrops
 
 __all__ = ["Collator", "CropDataset", "EpochSampler", "StreamingCrops", "crop_item", "eval_tracks",
            "example_key", "noise_mixup", "span_mask", "split_indices"]
+
+
+def __getattr__(name: str):
+    """StreamingCrops on first use: its module imports datasets (and pandas, pyarrow), 1.2 s of CPU per process
+    here that the masks, crops and batches do not need (benchmarks, the model's users)."""
+    if name == "StreamingCrops":
+        from musiclm_stab.data.streaming import StreamingCrops
+
+        return StreamingCrops
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
