@@ -38,60 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from bench_case import DEFAULT_BATCH, MODE_DTYPE, Case, study_config
 from torch.utils.flop_counter import FlopCounterMode
 
-from musiclm_stab.config import Config, load_config
+from musiclm_stab.config import Config
 from musiclm_stab.data.masking import span_mask
 from musiclm_stab.model import MusicMLM
 from musiclm_stab.model.frontend import CONV_LAYERS, PAD
 from musiclm_stab.training.optim import build_optimizer
 from musiclm_stab.training.precision import FairseqFp16, Precision, make_precision
 
-REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODES = {"fairseq": ("fp16", "fairseq"), "amp": ("fp16", "amp"), "bf16": ("bf16", "fairseq"), "fp32": ("no", "fairseq")}
-MODE_DTYPE = {"fairseq": "fp16", "amp": "fp16", "bf16": "bf16", "fp32": "fp32"}
-ATTENTIONS = ("math", "relax", "sdpa")
-LEVERS = ("gemm", "cudnnbench")
-RECIPES = {"relax": "recipes/study_prenorm_attnrelax_clip1.yaml"}  # the plain runs' recipe for math and sdpa
-PLAIN_RECIPE = "recipes/study_prenorm_clip1_run2.yaml"
-OVERLAYS = {"tiny": ["recipes/overlays/tiny.yaml"], "base": ["recipes/overlays/study_gpu.yaml"], "large": []}
-DEFAULT_BATCH = {"tiny": 2, "base": 64, "large": 32}
 FRAME_RATE = 75  # frames per second (320 samples at 24 kHz)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class Case:
-    mode: str
-    attention: str
-    levers: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> Case:
-        head, *levers = text.split("+")
-        mode, _, attention = head.partition("-")
-        if mode not in MODES or attention not in ATTENTIONS or any(lv not in LEVERS for lv in levers):
-            raise argparse.ArgumentTypeError(
-                f"case {text!r}: MODE-ATTENTION[+LEVER], MODE one of {', '.join(MODES)}, ATTENTION one of "
-                f"{', '.join(ATTENTIONS)}, LEVER one of {', '.join(LEVERS)}")
-        return cls(mode, attention, tuple(levers))
-
-    def __str__(self) -> str:
-        return "+".join([f"{self.mode}-{self.attention}", *self.levers])
-
-
-def study_config(size: str, case: Case, overrides: list[str] = ()) -> Config:
-    """The study run's resolved config at ``size`` (a study recipe and the scale's overlay) in ``case``'s
-    precision and attention form: the model and optimizer the study trains."""
-    mp, fp16_mode = MODES[case.mode]
-    files = [REPO / RECIPES.get(case.attention, PLAIN_RECIPE)] + [REPO / o for o in OVERLAYS[size]]
-    return load_config(files, [f"model.size={size}", f"model.attention={case.attention}",
-                               f"train.mixed_precision={mp}", f"train.fp16_mode={fp16_mode}", *overrides])
 
 
 def random_batch(cfg: Config, batch: int, seconds: float, device: torch.device, seed: int = 0) -> dict:

@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for the logs and the JSON row (default: a temp dir)")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
-    from bench_gpu import MODES, OVERLAYS, PLAIN_RECIPE, RECIPES, Case, study_config
+    from bench_case import MODES, OVERLAYS, PLAIN_RECIPE, RECIPES, Case, study_config
 
     case = Case.parse(args.case)
     data = study_config(args.size, case).data  # the study's batch, crop and loader workers unless given

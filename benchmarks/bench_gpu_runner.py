@@ -158,7 +158,7 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
     if args.batch is None or args.seconds is None:
-        from bench_gpu import Case, study_config
+        from bench_case import Case, study_config
 
         data = study_config(args.size, Case.parse(args.case)).data
         args.batch = args.batch or data.batch_size

@@ -167,7 +167,9 @@ def test_compiled_frontend_and_encoder_match_eager(monkeypatch):
     # Kernels compiled in this process: no pool of compile workers to start (each imports torch), same kernels.
     monkeypatch.setattr("torch._inductor.config.compile_threads", 1)
     torch.manual_seed(0)
-    cfg = ModelConfig(size="tiny", dropout=0.0, attention_dropout=0.0, feature_dropout=0.0)
+    # One encoder layer: the loop over layers is traced (unrolled) all the same, and a second identical layer
+    # only adds its nodes to lower and schedule (2 graphs either way, no graph break, no recompile).
+    cfg = ModelConfig(size="tiny", num_layers=1, dropout=0.0, attention_dropout=0.0, feature_dropout=0.0)
     eager = MusicMLM(cfg).train()
     compiled = MusicMLM(cfg).train()
     compiled.load_state_dict(eager.state_dict())
