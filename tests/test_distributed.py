@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -124,14 +125,6 @@ def test_torchrun_without_a_distributed_setup_is_refused(tokenized_dataset, tmp_
     assert not (tmp_path / "two" / "metrics.jsonl").exists()
 
 
-def test_layerdrop_trains_under_ddp(tokenized_dataset, tmp_path):
-    """With layerdrop (MERT-95M's 0.05, the base size's default) a step may skip layers whose parameters
-    then get no gradient: 2 gloo processes still train (DDP looks for unused parameters), finite losses."""
-    launch(tokenized_dataset, tmp_path, "layerdrop", 2, "--model.layerdrop=0.5", "--train.max_steps=3")
-    rows = last_rows(tmp_path / "layerdrop")
-    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows.values())
-
-
 def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str = "",
                      torchrun: bool = True, timeout: float = 600) -> dict[int, tuple[int, str]]:
     """2 gloo processes of tests/train_faults.py (pretrain.py that reports on its exit): {rank: (exit code,
@@ -170,19 +163,47 @@ def launch_reporting(data: Path, out: Path, name: str, *extra: str, fault: str =
     return {rank: (procs[rank].returncode, outputs[rank]) for rank in (0, 1)}
 
 
-def test_every_exit_of_a_two_process_run_stops_gloo_before_teardown(tokenized_dataset, tmp_path):
+# MERT-95M's layerdrop is 0.05 (the base size's default); 0.5 makes a skipped layer all but certain in 3 steps.
+LAYERDROP = ("--model.layerdrop=0.5",)
+
+
+@pytest.fixture(scope="module")
+def finished_layerdrop_run(tokenized_dataset, tmp_path_factory) -> tuple[Path, dict[int, dict], dict[int, tuple[int, str]]]:
+    """One finished 3-step torchrun run of 2 gloo processes of tests/train_faults.py (pretrain.py, no fault, its
+    exit report) with layerdrop: (its folder, its metric rows as the run left them, {rank: (exit code, output)}).
+    Tests that go on with the run copy the folder."""
+    out = tmp_path_factory.mktemp("ddp_layerdrop")
+    ranks = launch_reporting(tokenized_dataset, out, "run", *LAYERDROP)
+    return out / "run", last_rows(out / "run"), ranks
+
+
+def test_layerdrop_trains_under_ddp(finished_layerdrop_run):
+    """With layerdrop (MERT-95M's 0.05, the base size's default) a step may skip layers whose parameters
+    then get no gradient: 2 gloo processes still train (DDP looks for unused parameters), finite losses."""
+    _, rows, ranks = finished_layerdrop_run
+    assert sorted(ranks) == [0, 1] and all(code == 0 for code, _ in ranks.values()), ranks
+    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows.values())
+
+
+def test_every_exit_of_a_two_process_run_stops_gloo_before_teardown(tokenized_dataset, finished_layerdrop_run,
+                                                                    tmp_path):
     """A finished 2-process run (torchrun), one refused with a config error after DDP is set up, and one
     stopped by an unexpected exception (with a checkpoint write maybe in flight) leave no gloo thread
     running when main returns, on either rank: destroy_process_group alone left 3 per rank to the
     interpreter's teardown (torch.distributed.nn's default arguments, imported by DDP, held the group),
     where they sometimes aborted the rank (exit -6). The torchrun launch runs with torchrun's default port
-    and the ports these tests once fixed held by this process: it failed whenever another process held them."""
-    runs = [("finished", (), "", True, 0, "done: "),
-            ("refused", ("--resume", "--optim.lr=1.5e-4"), "", False, 2, "error: cannot resume"),
-            ("crashed", ("--resume", "--train.max_steps=6"), "raise:5", False, 1,
+    and the ports these tests once fixed held by this process: it failed whenever another process held them.
+    The finished run is the layerdrop fixture's (the same torchrun launch); the other two go on from a copy."""
+    run_dir, _, finished = finished_layerdrop_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    runs = [("refused", ("--resume", "--optim.lr=1.5e-4"), "", 2, "error: cannot resume"),
+            ("crashed", ("--resume", "--train.max_steps=6"), "raise:5", 1,
              "RuntimeError: injected fault after update 5")]
-    for what, extra, fault, torchrun, rc, said in runs:
-        ranks = launch_reporting(tokenized_dataset, tmp_path, "run", *extra, fault=fault, torchrun=torchrun)
+    results = [("finished", finished, 0, "done: ")]
+    for what, extra, fault, rc, said in runs:
+        results.append((what, launch_reporting(tokenized_dataset, tmp_path, "run", *LAYERDROP, *extra, fault=fault,
+                                               torchrun=False), rc, said))
+    for what, ranks, rc, said in results:
         assert sorted(ranks) == [0, 1], (what, ranks)
         for rank, (code, out) in ranks.items():
             assert code == rc and "process group left before exit: True" in out, (what, rank, code, out[-2000:])
