@@ -115,3 +115,22 @@ def test_the_rule_waits_for_all_four_runs_and_the_command(tmp_path, capsys):
     assert "| Pre-Norm clip 1, lr 3e-3 | +0.000 | -0.060 |" in text
     saved = json.loads(out.read_text())
     assert (saved["H"], saved["L"], saved["ends"]["1e-2"]) == (500, 3e-3, "inf")
+
+
+def test_the_committed_calibration_recomputes(tmp_path, capsys):
+    """docs/learning_cpu/calibration.tar.xz (the four calibration runs' configs and metrics) gives again the
+    committed horizon.md and horizon.json, and the values in analysis/learning_params.py."""
+    import tarfile
+
+    from musiclm_stab.analysis import learning_params
+
+    docs = REPO / "docs" / "learning_cpu"
+    with tarfile.open(docs / "calibration.tar.xz") as tar:
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    out = tmp_path / "horizon.json"
+    assert cli_main([str(tmp_path), "--unigram", "9.287", "--json", str(out)]) == 0
+    assert capsys.readouterr().out == (docs / "horizon.md").read_text()
+    assert json.loads(out.read_text()) == json.loads((docs / "horizon.json").read_text())
+    saved = json.loads(out.read_text())
+    assert (learning_params.H, learning_params.L) == (saved["H"], saved["L"])
+    assert learning_params.DELTA_EARLY == round(saved["delta_early"], 3)

@@ -3,17 +3,18 @@ pre-registration fixes, in one place. The analysis (analysis/learning.py), its r
 (analysis/power_runs.py) and its plan (experiments/study_plan.py) read them from here.
 
 The calibration and pilot rules in docs/STUDY.md set L, H, DELTA_EARLY (from the calibration runs),
-CONTROL_LAYERS and CONTROL_LR (from the pilots); until those runs they are placeholders. The rest is fixed by
+CONTROL_LAYERS and CONTROL_LR (from the pilots). L, H and DELTA_EARLY are the calibration's (its runs, seed 300,
+analysis/horizon.py's rule); CONTROL_LAYERS and CONTROL_LR stay placeholders until the pilots. The rest is fixed by
 the design. A change to this file after the pre-registration commit is a deviation, to be reported with the
 results.
 """
 
 from __future__ import annotations
 
-# Fixed by the calibration, docs/STUDY.md (placeholders until the lead sets them after the calibration run).
-L = 1e-2  # the claims arm's peak lr
-H = 500  # the claims arm's horizon, steps
-DELTA_EARLY = 0.7  # bits: (a) and (d)-slower's margin, 1% of the calibration's early loss
+# Fixed by the calibration (docs/STUDY.md, "Calibration: the result"; `python -m musiclm_stab.analysis.horizon`).
+L = 0.003  # the claims arm's peak lr
+H = 1000  # the claims arm's horizon, steps
+DELTA_EARLY = 0.694  # bits: (a) and (d)-slower's margin, 1% of the calibration's early loss (69.41 bits)
 
 # Fixed by the design (docs/STUDY.md).
 MARGIN_LEARNED = 0.1  # bits below the unigram level the final held-out cb0 must reach: learned

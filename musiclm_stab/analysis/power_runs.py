@@ -449,7 +449,7 @@ def markdown(table: dict, command: str = "", seconds: float | None = None) -> st
     r, null = table["rates"], table["null_runs"]
     lines += ["", f"{table['studies']} simulated studies per cell (generators keyed by seed {table['base_seed']}, study, "
               f"block and role), arm claims at lr {learning_params.L:g} for H = {learning_params.H} steps, "
-              f"DELTA_EARLY {learning_params.DELTA_EARLY:g} bits (placeholders until the calibration fixes them)"
+              f"DELTA_EARLY {learning_params.DELTA_EARLY:g} bits (the calibration's)"
               + (f"; `{command}` ran in {seconds:.0f} s" if command and seconds is not None else "") + ".", "",
               "Rates the runs are drawn from (measured: " + r["source"] + "): " + ", ".join(
                   f"{k} {_fmt(v)}" for k, v in r.items() if k != "source") + ".", "",
