@@ -83,14 +83,12 @@ def _calibration_runs(runs: Sequence[RunMetrics]) -> dict[tuple[float, str], Run
     return found
 
 
-def _below(run: RunMetrics, unigram: float) -> dict[int, float]:
-    """{step: held-out cb0 - unigram} of a run, bits (none after a failure: a failed run's evaluations end)."""
+def _below(run: RunMetrics, unigram: float, failed_at: int | None) -> dict[int, float]:
+    """{step: held-out cb0 - unigram} of a run, bits (none from ``failed_at`` on: a failed run's evaluations end)."""
     series = run.metric(EVAL_CB0)
     if series is None:
         return {}
-    ends = failure(run)
-    return {int(s): float(v) - unigram for s, v in zip(*series, strict=True)
-            if ends.step is None or s < ends.step}
+    return {int(s): float(v) - unigram for s, v in zip(*series, strict=True) if failed_at is None or s < failed_at}
 
 
 def _early_loss(run: RunMetrics, H: int) -> float:
@@ -106,14 +104,15 @@ def _early_loss(run: RunMetrics, H: int) -> float:
 def choose_horizon(run_dirs: Sequence[str | Path | RunMetrics], unigram_eval_cb0: float) -> Horizon:
     """The rule (module docstring) on the calibration runs found in ``run_dirs``."""
     runs = _calibration_runs(read_runs(run_dirs))
-    below = {(lr, role): _below(run, unigram_eval_cb0) for (lr, role), run in runs.items()}
+    fails = {key: failure(run) for key, run in runs.items()}
+    below = {key: _below(run, unigram_eval_cb0, fails[key].step) for key, run in runs.items()}
     first_h: dict[float, int | None] = {}
     for lr in CALIBRATION_LRS:
         first_h[lr] = next((h for h in H_STEPS if all(below[lr, role].get(h, math.inf) <= -H_MARGIN
                                                     for role in CALIBRATION_ROLES)), None)
     ends = {}
     for lr in CALIBRATION_LRS:
-        last = [below[lr, role][max(below[lr, role])] if below[lr, role] and failure(runs[lr, role]).kind == "none"
+        last = [below[lr, role][max(below[lr, role])] if below[lr, role] and fails[lr, role].kind == "none"
                 else math.inf for role in CALIBRATION_ROLES]
         ends[lr] = float(np.mean(last))
     reached = [lr for lr in CALIBRATION_LRS if first_h[lr] is not None]
