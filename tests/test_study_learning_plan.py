@@ -103,3 +103,22 @@ def test_only_names_roles(tmp_path):
     assert {r.stem for r in _plan(tmp_path, seeds=1, only=("m_fp32",)).runs} == {"m_fp32"}
     with pytest.raises(ValueError, match="roles are m_fp16"):
         _plan(tmp_path, only=("study_prenorm_clip1_run2",))
+
+
+def test_the_command_line_s_only_takes_the_learning_roles(tmp_path, capsys):
+    """`study --design learning --only ROLE ...` plans those roles (the pilots' command: the control's four
+    first); a recipe name there, or a role in another design, is refused with the design's names."""
+    from musiclm_stab.experiments.study import cli_main
+
+    argv = ["--design", "learning", "--scale", "cpu", "--print-only", "--seeds", "1", "--first-seed", "301",
+            "--runs", str(tmp_path), "--data", str(tmp_path / "tokens")]
+    assert cli_main([*argv, "--only", "clip1", "pre_nw", "post_w", "post_nw"]) == 0
+    launches = [line for line in capsys.readouterr().out.splitlines() if "accelerate launch" in line]
+    names = sorted(line.split("--train.name=")[1].split()[0] for line in launches)
+    assert names == sorted(["study_prenorm_clip1_run2_tiny_lr3e-3_s301", "control_prenorm_clip1_nowarmup_tiny_lr3e-3_s301",
+                            "control_postnorm_clip1_warmup_tiny_lr3e-3_s301",
+                            "control_postnorm_clip1_nowarmup_tiny_lr3e-3_s301"])
+    for wrong, design in (("study_prenorm_clip1_run2", "learning"), ("clip1", "instability")):
+        with pytest.raises(SystemExit):
+            cli_main(["--design", design, *argv[2:], "--only", wrong])
+        assert f"--only {wrong}: the {design} design's names are" in capsys.readouterr().err

@@ -73,6 +73,8 @@ from musiclm_stab.experiments.study_plan import (
     DEFAULT_JOBS,
     DESIGNS,
     INSTABILITY_STEMS,
+    LEARNING,
+    LEARNING_ROLES,
     ORDERS,
     SCALES,
     STUDY_DATA,
@@ -487,10 +489,11 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm", choices=ARMS, default="schemes",
                    help="instability design: schemes (default) holds the conv frontend at its own lr, "
                         "mert-frontend trains it at the run's lr as MERT does")
-    p.add_argument("--only", nargs="+", metavar="RECIPE", choices=INSTABILITY_STEMS,
-                   help="train only the runs of these configurations (recipe names; the control: " + CONTROL
-                        + "), named as in the whole study: a piece smaller than a block, e.g. two seed-0 runs "
-                        "with their probes")
+    p.add_argument("--only", nargs="+", metavar="RECIPE",
+                   help="train only the runs of these configurations (recipe names: " + ", ".join(INSTABILITY_STEMS)
+                        + "; the control: " + CONTROL + "; the learning design: its roles, "
+                        + ", ".join(LEARNING_ROLES) + "), named as in the whole study: a piece smaller than a "
+                        "block, e.g. two seed-0 runs with their probes")
     p.add_argument("--order", choices=ORDERS, default="paired",
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
     p.add_argument("--jobs", type=int,
@@ -522,6 +525,10 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--seeds must be >= 1")
     if args.jobs is not None and args.jobs < 1:
         p.error("--jobs must be >= 1")
+    only_names = list(LEARNING_ROLES) if args.design == LEARNING else INSTABILITY_STEMS
+    unknown = [name for name in args.only or () if name not in only_names]
+    if unknown:
+        p.error(f"--only {' '.join(unknown)}: the {args.design} design's names are {', '.join(only_names)}")
     if args.probe_every_first_seed and not args.probe:
         p.error("--probe-every-first-seed needs --probe")
     if args.codes and (args.print_only or args.carry_to is not None):
