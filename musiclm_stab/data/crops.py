@@ -54,7 +54,8 @@ class CropDataset(Dataset):
 
     def __init__(self, hf_dataset, indices: list[int], crop_seconds: float, seed: int = 0, random_crop: bool = True):
         self.crop_frames = int(round(crop_seconds * FRAME_RATE))
-        frames = hf_dataset.select_columns(["num_frames"])["num_frames"]
+        # the column read in one go: a datasets Column indexed row by row reads its table once per row
+        frames = list(hf_dataset.select_columns(["num_frames"])["num_frames"])
         self.indices = [i for i in indices if frames[i] >= self.crop_frames]
         self.num_skipped = len(indices) - len(self.indices)
         self.ds = hf_dataset.select_columns(["pcm", "codes"]).with_format("numpy")
