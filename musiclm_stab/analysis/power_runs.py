@@ -40,13 +40,18 @@ result"). Such a run dies with probability P at a step drawn uniformly from FIRS
 own key, so a run dies at the same step in every effect, and one that does not die is the run of the default
 scenario): from that step its features_pen is 1e-8 of its first value (the frontend's RMS 1e-4 of it: the CPU
 study's dead runs ended at most 4e-4), its loss makes no more progress and its held-out cb0 sits at the
-unigram level (about: the block and run SDs); failures.failure finds it dead at that step. The planted effects (``EFFECTS``), each alone on the null study: the control's interaction 0.2 and
-0.5 bits (Post-LN without warmup that much worse at H); (a) clip 10's early loss 2 x DELTA_EARLY lower; (b)
-DeepNorm's gradient norm 0.3 lower in ln than each; (c) DeepNorm one more own recovered spike per run; (d)
-relax 2 x DELTA_EARLY slower early and clip 1 one more cascade per run; M1, M2, M3 the treated role surviving
-the horizon while its baseline fails at its drawn step. Common random numbers: an effect re-draws only the
-runs it plants into, from the same generators, and a study of n seeds is the first n blocks of the largest;
-each study's runs come from generators keyed by (seed, study, block, role), so a table reproduces exactly.
+unigram level (about: the block and run SDs); failures.failure finds it dead at that step. The table states
+its scenario and, per number of seeds, the share of null studies where each claim is not testable at this
+scale (fewer than MIN_BLOCKS blocks where its roles learned).
+
+The planted effects (``EFFECTS``), each alone on the null study (in the same scenario): the control's
+interaction 0.2 and 0.5 bits (Post-LN without warmup that much worse at H); (a) clip 10's early loss 2 x
+DELTA_EARLY lower; (b) DeepNorm's gradient norm 0.3 lower in ln than each; (c) DeepNorm one more own recovered
+spike per run; (d) relax 2 x DELTA_EARLY slower early and clip 1 one more cascade per run; M1, M2, M3 the
+treated role surviving the horizon while its baseline fails at its drawn step. Common random numbers: an
+effect re-draws only the runs it plants into, from the same generators, and a study of n seeds is the first n
+blocks of the largest; each study's runs come from generators keyed by (seed, study, block, role), so a table
+reproduces exactly.
 
 Rates (analysis/power_rates.py ``Rates``) are measured on run directories by ``measure_rates``: by default on
 the instability study's archive (DEFAULT_RATES; the command in its ``source``); the lead re-runs it on the
@@ -73,6 +78,7 @@ from musiclm_stab.analysis.decide import ABSENT, NOT_TESTABLE, REFUTED, REPRODUC
 from musiclm_stab.analysis.instability import EARLY_SHARE
 from musiclm_stab.analysis.learning import LearningRun
 from musiclm_stab.analysis.learning_params import CLAIMS, MECH_ROLES, MECHANISM
+from musiclm_stab.analysis.learning_report import ROLE_SHORT
 from musiclm_stab.analysis.power_rates import DEFAULT_RATES, Rates, measure_rates
 from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.config.loading import load_config
@@ -97,8 +103,6 @@ WHAT = {"control 0.2": "interaction +0.2 bits", "control 0.5": "interaction +0.5
         "M1": "m_warmup survives", "M2": "m_fp32 survives", "M3": "m_post10_relax survives"}
 KEYS = ("a", "b", "c", "d", "M1", "M2", "M3")
 CLAIM_KEYS = ("a", "b", "c", "d")
-TITLES = {"clip10": "clip 10", "clip1": "clip 1", "deepnorm": "DeepNorm", "relax": "relax", "pre_nw": "Pre-LN no warmup",
-          "post_w": "Post-LN warmup", "post_nw": "Post-LN no warmup"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def describe_dead(dead: DeadInput | None) -> str:
     """The scenario in words, for the table."""
     if not dead:
         return "every claims run's frontend lives (no dead input)"
-    return "; ".join(f"{TITLES.get(role, role)}'s frontend dies (dead input) in {p:.0%} of its runs, at a step drawn "
+    return "; ".join(f"{ROLE_SHORT[role]}'s frontend dies (dead input) in {p:.0%} of its runs, at a step drawn "
                      f"from {first}-{last}" for role, (p, first, last) in dead.items())
 
 
