@@ -231,24 +231,6 @@ def _series(out: dict, name: str, steps: np.ndarray, values: np.ndarray) -> None
     out[name] = (np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64))
 
 
-@functools.lru_cache(maxsize=64)
-def _loss_scale(steps: int, forced: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """fairseq's loss scale and overflows over ``steps`` steps, overflowing at SCALE_CAP and at the ``forced``
-    steps. Kept: most runs have no cascade, so their series are one and the same (a step loop each, at H = 1000,
-    was a tenth of the simulation's time)."""
-    scale, clean = 128.0, 0
-    scales, overflow = np.empty(steps), np.zeros(steps)
-    for i in range(steps):
-        if scale >= SCALE_CAP or (i + 1) in forced:
-            overflow[i], scale, clean = 1.0, scale / 2, 0
-        else:
-            clean += 1
-            if clean == SCALE_WINDOW:
-                scale, clean = scale * 2, 0
-        scales[i] = scale
-    return scales, overflow
-
-
 def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int, ...], effect: str,
                dead: DeadInput | None = None) -> RunMetrics:
     """One simulated run of arm claims (module docstring) with ``effect`` planted where it concerns ``role``, its
@@ -281,7 +263,16 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
     for _ in range(n_casc):
         at = int(rng.integers(SCALE_WINDOW + 2, h - 3))
         forced.update((at, at + 1, at + 2))
-    scales, overflow = (a.copy() for a in _loss_scale(h, tuple(sorted(forced))))
+    scale, clean = 128.0, 0
+    scales, overflow = np.empty(h), np.zeros(h)
+    for i in range(h):
+        if scale >= SCALE_CAP or (i + 1) in forced:
+            overflow[i], scale, clean = 1.0, scale / 2, 0
+        else:
+            clean += 1
+            if clean == SCALE_WINDOW:
+                scale, clean = scale * 2, 0
+        scales[i] = scale
     clip = 10.0 if role == "clip10" else 1.0
     lngrad = (math.log(rates.grad_late) + np.log1p((rates.grad_first / rates.grad_late - 1)
                                                    * np.exp(-(t - 1) / max(rates.tau_grad, 1.0)))
@@ -402,33 +393,24 @@ def simulate(rates: Rates, seeds: int, study: int, base_seed: int = 0, effect: s
     dead = check_dead(dead)
     cache = {} if cache is None else cache
     out = []
-    blocks: dict[tuple[int, bool], Block] = {}  # drawn once for every run of the block (the same draws)
     for seed in range(seeds):
         for role in (*CLAIM_ROLES, *MECH_ROLES):
             planted = effect if role in PLANTED.get(effect, ()) else NULL
             if (seed, role, planted) not in cache:
-                mech = role in MECH_ROLES
-                if (seed, mech) not in blocks:
-                    blocks[(seed, mech)] = _block(rates, mech, seed, study, base_seed)
-                metrics = study_run(rates, role, seed, study, base_seed, planted, dead=dead, block=blocks[(seed, mech)])
+                metrics = study_run(rates, role, seed, study, base_seed, planted, dead=dead)
                 cache[(seed, role, planted)] = learning.learning_run(metrics, UNIGRAM)
             out.append(cache[(seed, role, planted)])
     learning.mark_own_spikes(out)
     return out
 
 
-def _block(rates: Rates, mech: bool, seed: int, study: int, base_seed: int) -> Block:
-    horizon = learning_params.MECH_STEPS if mech else learning_params.H
-    return block_of_study(rates, horizon, (base_seed, study, seed, 1000 + mech))
-
-
 def study_run(rates: Rates, role: str, seed: int, study: int, base_seed: int = 0, effect: str = NULL, *,
-              dead: DeadInput | None = None, block: Block | None = None) -> RunMetrics:
+              dead: DeadInput | None = None) -> RunMetrics:
     """One simulated run (``role`` in block ``seed`` of study ``study``) as read_run would read it; its block's
-    shared draws and its own come from generators keyed by (base_seed, study, seed, arm or role). ``block``:
-    that block's draws when the caller has them already."""
+    shared draws and its own come from generators keyed by (base_seed, study, seed, arm or role)."""
     mech = role in MECH_ROLES
-    block = block or _block(rates, mech, seed, study, base_seed)
+    horizon = learning_params.MECH_STEPS if mech else learning_params.H
+    block = block_of_study(rates, horizon, (base_seed, study, seed, 1000 + mech))
     key = (base_seed, study, seed, ROLE_KEYS[role])
     if mech:
         return mechanism_run(rates, role, seed, block, key, effect)
