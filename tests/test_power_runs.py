@@ -4,6 +4,7 @@ instability archive's, and a table reproduces from its seed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import tarfile
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from musiclm_stab.analysis import learning, learning_params, power_rates, power_runs
+from musiclm_stab.analysis import failures, learning, learning_params, power_rates, power_runs
 from musiclm_stab.analysis.claims import _plain
-from musiclm_stab.analysis.decide import REPRODUCED
+from musiclm_stab.analysis.decide import NOT_TESTABLE, REPRODUCED
 from musiclm_stab.analysis.runs import read_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +103,69 @@ def test_the_command_refuses_what_it_cannot_use(tmp_path, capsys):
     with pytest.raises(SystemExit) as usage:
         power_runs.cli_main(["--out", str(tmp_path / "o"), "--studies", "0"])
     assert usage.value.code == 2 and not math.isnan(power_runs.DEFAULT_RATES.own_per_100)
+
+
+# The tiny table of test_a_tiny_power_table... ([6, 8] seeds, 2 studies, base_seed 5, H = 60) as computed before the
+# dead-input scenario existed (at ed93c9f): sha256 of its counts and null-run numbers, json with sorted keys.
+BEFORE_DEAD_INPUT = "b4dda010971f3addff6dc4fa7cf06379ed016db1abb5a790a169c40e9945347a"
+
+
+def test_the_default_scenario_table_is_the_one_before_dead_input(short):
+    """With no dead-input scenario (and with one of probability 0) the table's counts and null-run numbers are
+    bit for bit those computed before the scenario existed: every run is the same run."""
+    for dead in (None, {"deepnorm": (0.0, 20, 40)}):
+        table = power_runs.power_table(power_runs.DEFAULT_RATES, [6, 8], 2, base_seed=5, dead=dead)
+        old = {k: v for k, v in table["null_runs"].items() if k != "dead_input_share"}
+        text = json.dumps({"counts": table["counts"], "null_runs": old}, sort_keys=True)
+        assert hashlib.sha256(text.encode()).hexdigest() == BEFORE_DEAD_INPUT, dead
+
+
+def test_a_dead_input_run_fails_by_dead_input_at_its_drawn_step(short):
+    """A DeepNorm run whose frontend dies (probability 1, steps 20-40) is failed by the real analysis with kind
+    "dead input" at its drawn step, did not learn, its frontend RMS below 1% of its first value from there to the
+    end and its held-out cb0 from there within MARGIN_LEARNED of the unigram level; every other run, and the same
+    run where it is planted into (common random numbers), is the run of the default scenario or dies alike."""
+    dead = {"deepnorm": (1.0, 20, 40)}
+    for effect in (power_runs.NULL, "b"):
+        alive = power_runs.simulate(power_runs.DEFAULT_RATES, 3, 0, effect=effect)
+        died = power_runs.simulate(power_runs.DEFAULT_RATES, 3, 0, effect=effect, dead=dead)
+        for before, after in zip(alive, died):
+            if after.role != "deepnorm":
+                assert _plain(after) == _plain(before), (effect, after.role, after.seed)
+                continue
+            planted = effect if after.role in power_runs.PLANTED.get(effect, ()) else power_runs.NULL
+            metrics = power_runs.study_run(power_runs.DEFAULT_RATES, after.role, after.seed, 0, 0, planted, dead=dead)
+            step = power_runs.dead_input_at(dead, after.role, (0, 0, after.seed, power_runs.ROLE_KEYS[after.role]))
+            assert 20 <= step <= 40 and (after.kind, after.kind_step, after.learned) == ("dead input", step, False)
+            assert before.kind == "none" and before.learned
+            steps, rms = failures.frontend_rms(metrics.in_unit("bits"))
+            assert (rms[steps >= step] < failures.DEAD_SHARE * rms[0]).all() and (rms[steps < step] > 0.5 * rms[0]).all()
+            evals, cb0 = metrics.metric(power_runs.EVAL_CB0)
+            assert len(cb0[evals >= step]) and (abs(cb0[evals >= step] - power_runs.UNIGRAM) < learning_params.MARGIN_LEARNED).all()
+        if effect == "b":
+            steps_b = {r.seed: r.kind_step for r in died if r.role == "deepnorm"}
+        else:
+            steps_null = {r.seed: r.kind_step for r in died if r.role == "deepnorm"}
+    assert steps_b == steps_null
+
+
+def test_a_dead_deepnorm_leaves_claim_b_not_testable_and_the_table_says_so(tmp_path, short, capsys):
+    """--dead deepnorm=1.0:20:40: the table's json and markdown state the scenario; every DeepNorm run dies, so 6
+    of 7 claims runs learn and (b), which needs the four learned, is not testable in every study, which the
+    markdown's null table says; bad --dead values exit 2 with one line naming the value and the reason."""
+    out = tmp_path / "o"
+    assert power_runs.cli_main(["--out", str(out), "--studies", "2", "--seeds", "3", "--dead", "deepnorm=1.0:20:40"]) == 0
+    table = json.loads((out / "power_runs.json").read_text())
+    assert table["scenario"] == {"dead_input": {"deepnorm": [1.0, 20, 40]}}
+    assert table["null_runs"]["learned_share"] == pytest.approx(6 / 7)
+    assert table["null_runs"]["dead_input_share"] == pytest.approx(1 / 7)
+    assert power_runs.share(table, power_runs.NULL, 3, "b", [NOT_TESTABLE]) == 1.0
+    md = (out / "power_runs.md").read_text()
+    assert "| b not testable at this scale | 100% |" in md
+    assert "DeepNorm's frontend dies (dead input) in 100% of its runs, at a step drawn from 20-40" in md
+    capsys.readouterr()
+    for bad, why in (("deepnorm=1.5:20:40", "probability"), ("nosuch=1:20:40", "role"), ("deepnorm=1:40:20", "steps"),
+                     ("deepnorm=1:20:61", "steps"), ("deepnorm=1:20", "ROLE=P:FIRST:LAST")):
+        assert power_runs.cli_main(["--out", str(out), "--studies", "1", "--seeds", "1", "--dead", bad]) == 2, bad
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err and bad in err, (bad, err)

@@ -1,6 +1,7 @@
 """Power of the learning study's design by simulating its runs, not its endpoints (issue 55, docs/STUDY.md).
 
     python -m musiclm_stab.analysis.power_runs --out DIR [--seeds 6 8 10] [--studies 200] [--rates FILE] [--seed 0]
+        [--dead ROLE=P:FIRST:LAST ...]
     python -m musiclm_stab.analysis.power_runs --measure RUN_DIR_OR_FOLDER ... --out DIR [--calibration-lrs ...]
 
 Each simulated study is a set of runs of the design (analysis/learning.py): per run a metrics series as the
@@ -33,13 +34,24 @@ floor and a ``min_loss_scale`` event ends it, as the trainer writes it (m_fp32: 
 above L0 from that step on).
 
 The null study: every role of an arm drawn alike (no configuration more stable or faster); every claims run
-learns. The planted effects (``EFFECTS``), each alone on the null study: the control's interaction 0.2 and
-0.5 bits (Post-LN without warmup that much worse at H); (a) clip 10's early loss 2 x DELTA_EARLY lower; (b)
-DeepNorm's gradient norm 0.3 lower in ln than each; (c) DeepNorm one more own recovered spike per run; (d)
-relax 2 x DELTA_EARLY slower early and clip 1 one more cascade per run; M1, M2, M3 the treated role surviving
-the horizon while its baseline fails at its drawn step. Common random numbers: an effect re-draws only the
-runs it plants into, from the same generators, and a study of n seeds is the first n blocks of the largest;
-each study's runs come from generators keyed by (seed, study, block, role), so a table reproduces exactly.
+learns, unless the scenario says a role's frontend dies (``--dead ROLE=P:FIRST:LAST``, the ``dead`` argument):
+the calibration's DeepNorm run lost its input at step 672 of 1000 at L (docs/STUDY.md "Calibration: the
+result"). Such a run dies with probability P at a step drawn uniformly from FIRST..LAST (from a generator of its
+own key, so a run dies at the same step in every effect, and one that does not die is the run of the default
+scenario): from that step its features_pen is 1e-8 of its first value (the frontend's RMS 1e-4 of it: the CPU
+study's dead runs ended at most 4e-4), its loss makes no more progress and its held-out cb0 sits at the
+unigram level (about: the block and run SDs); failures.failure finds it dead at that step. The table states
+its scenario and, per number of seeds, the share of null studies where each claim is not testable at this
+scale (fewer than MIN_BLOCKS blocks where its roles learned).
+
+The planted effects (``EFFECTS``), each alone on the null study (in the same scenario): the control's
+interaction 0.2 and 0.5 bits (Post-LN without warmup that much worse at H); (a) clip 10's early loss 2 x
+DELTA_EARLY lower; (b) DeepNorm's gradient norm 0.3 lower in ln than each; (c) DeepNorm one more own recovered
+spike per run; (d) relax 2 x DELTA_EARLY slower early and clip 1 one more cascade per run; M1, M2, M3 the
+treated role surviving the horizon while its baseline fails at its drawn step. Common random numbers: an
+effect re-draws only the runs it plants into, from the same generators, and a study of n seeds is the first n
+blocks of the largest; each study's runs come from generators keyed by (seed, study, block, role), so a table
+reproduces exactly.
 
 Rates (analysis/power_rates.py ``Rates``) are measured on run directories by ``measure_rates``: by default on
 the instability study's archive (DEFAULT_RATES; the command in its ``source``); the lead re-runs it on the
@@ -66,6 +78,7 @@ from musiclm_stab.analysis.decide import ABSENT, NOT_TESTABLE, REFUTED, REPRODUC
 from musiclm_stab.analysis.instability import EARLY_SHARE
 from musiclm_stab.analysis.learning import LearningRun
 from musiclm_stab.analysis.learning_params import CLAIMS, MECH_ROLES, MECHANISM
+from musiclm_stab.analysis.learning_report import ROLE_SHORT
 from musiclm_stab.analysis.power_rates import DEFAULT_RATES, Rates, measure_rates
 from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.config.loading import load_config
@@ -89,6 +102,7 @@ WHAT = {"control 0.2": "interaction +0.2 bits", "control 0.5": "interaction +0.5
         "c": "DeepNorm +1 own recovered spike a run", "d": "relax 2 x DELTA_EARLY slower, clip 1 +1 cascade a run",
         "M1": "m_warmup survives", "M2": "m_fp32 survives", "M3": "m_post10_relax survives"}
 KEYS = ("a", "b", "c", "d", "M1", "M2", "M3")
+CLAIM_KEYS = ("a", "b", "c", "d")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,6 +147,64 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in key])
 
 
+DeadInput = dict[str, tuple[float, int, int]]  # claims role -> (probability, first step, last step)
+DEAD_KEY = 7  # a run's dead-input draw: the generator of its key with this appended (its other draws untouched)
+DEAD_PEN = 1e-8  # a dead frontend's features_pen, a share of its first value
+
+
+def check_dead(dead: DeadInput | None) -> DeadInput:
+    """The dead-input scenario as {role: (p, first, last)}; ValueError naming the role and the reason when a
+    role is not a claims role, p is not in [0, 1] or the steps are not 2 <= first <= last <= H."""
+    out = {}
+    for role, (p, first, last) in (dead or {}).items():
+        if role not in CLAIM_ROLES:
+            raise ValueError(f"dead input of {role!r}: not a claims role (one of {', '.join(CLAIM_ROLES)})")
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"dead input of {role}: probability {p} not in [0, 1]")
+        if not 2 <= int(first) <= int(last) <= learning_params.H:
+            raise ValueError(f"dead input of {role}: steps {first}-{last} not within 2..H = {learning_params.H}")
+        out[role] = (float(p), int(first), int(last))
+    return out
+
+
+def parse_dead(texts: Sequence[str]) -> DeadInput:
+    """``--dead ROLE=P:FIRST:LAST`` values as a scenario (check_dead); ValueError naming the value."""
+    out: DeadInput = {}
+    for text in texts:
+        role, _, rest = text.partition("=")
+        parts = rest.split(":")
+        try:
+            p, first, last = float(parts[0]), int(parts[1]), int(parts[2])
+            if len(parts) != 3:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise ValueError(f"--dead {text}: not ROLE=P:FIRST:LAST (e.g. deepnorm=1.0:300:700)") from None
+        try:
+            out.update(check_dead({role: (p, first, last)}))
+        except ValueError as e:
+            raise ValueError(f"--dead {text}: {e}") from None
+    return out
+
+
+def dead_input_at(dead: DeadInput | None, role: str, key: tuple[int, ...]) -> int | None:
+    """The step the run of ``role`` keyed ``key`` loses its input in scenario ``dead``; None when it does not.
+    Both numbers are drawn for every such run, so a run that dies at probability p dies at any higher one."""
+    if not dead or role not in dead:
+        return None
+    p, first, last = dead[role]
+    rng = _rng(*key, DEAD_KEY)
+    u, step = float(rng.uniform()), int(rng.integers(first, last + 1))
+    return step if u < p else None
+
+
+def describe_dead(dead: DeadInput | None) -> str:
+    """The scenario in words, for the table."""
+    if not dead:
+        return "every claims run's frontend lives (no dead input)"
+    return "; ".join(f"{ROLE_SHORT[role]}'s frontend dies (dead input) in {p:.0%} of its runs, at a step drawn "
+                     f"from {first}-{last}" for role, (p, first, last) in dead.items())
+
+
 @dataclass
 class Block:
     """What every run of a block shares: its batches (per-step noise, hard-batch spikes) and its levels."""
@@ -159,13 +231,18 @@ def _series(out: dict, name: str, steps: np.ndarray, values: np.ndarray) -> None
     out[name] = (np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64))
 
 
-def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int, ...], effect: str) -> RunMetrics:
-    """One simulated run of arm claims (module docstring) with ``effect`` planted where it concerns ``role``."""
+def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int, ...], effect: str,
+               dead: DeadInput | None = None) -> RunMetrics:
+    """One simulated run of arm claims (module docstring) with ``effect`` planted where it concerns ``role``, its
+    frontend dying where scenario ``dead`` draws it."""
     h = learning_params.H
     rng = _rng(*key)
     planted = role in PLANTED.get(effect, ())
+    died = dead_input_at(dead, role, key)
     t = np.arange(1, h + 1)
     trend = rates.loss_end + (rates.l0 - rates.loss_end) * np.exp(-(t - 1) / max(rates.tau, 1.0))
+    if died is not None:
+        trend[died - 1:] = trend[died - 1]  # no progress from the step its input died
     run_offset_sd = math.sqrt(max(0.0, rates.early_run_sd ** 2 - rates.run_sd ** 2 / max(1, rates.early_steps)))
     loss = trend + block.early + rng.normal(0, run_offset_sd) + block.noise[:h] + rng.normal(0, rates.run_sd, h)
     early = max(1, int(EARLY_SHARE * h))
@@ -202,7 +279,8 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
               + block.lngrad + rng.normal(0, rates.lngrad_run_sd) + rng.normal(0, rates.lngrad_step_sd, h)
               - (0.3 if planted and effect == "b" else 0.0))
     grad = np.exp(lngrad)
-    final = UNIGRAM - FINAL_GAIN + block.final + rng.normal(0, rates.final_run_sd)
+    run_final = rng.normal(0, rates.final_run_sd)
+    final = UNIGRAM - FINAL_GAIN + block.final + run_final
     if planted and effect.startswith("control"):
         final += float(effect.split()[1])
     series: dict = {}
@@ -212,14 +290,20 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
     _series(series, "loss_scale", t, scales)
     _series(series, "overflow_step", t, overflow)
     _series(series, "skipped_step", t, np.zeros(h))
-    _series(series, "features_pen", t, 0.1 * np.exp(-t / h) + 0.02)
+    pen = 0.1 * np.exp(-t / h) + 0.02
+    if died is not None:
+        pen[died - 1:] = DEAD_PEN * pen[0]
+    _series(series, "features_pen", t, pen)
     _series(series, "acoustic_mlm_loss/cb0", t, rates.cap + (trend - rates.l0) / 8)
     diag = t[t % DIAG_EVERY == 0]
     _series(series, "diag/max_attn_logit/layer0", diag, 50.0 + 100.0 * diag / h)
     _series(series, "diag/headroom/residual/layer0", diag, 0.02 + 0.1 * diag / h)
     _series(series, "diag/headroom/frontend", diag, np.full(len(diag), 2e-4))
     evals = np.array(sorted({*range(EVAL_EVERY, h + 1, EVAL_EVERY), h}))
-    _series(series, EVAL_CB0, evals, final + 0.2 * (1 - evals / h))
+    held_out = final + 0.2 * (1 - evals / h)
+    if died is not None:  # blind from then on: the unigram level, the block's and the run's offsets
+        held_out[evals >= died] = UNIGRAM + block.final + run_final
+    _series(series, EVAL_CB0, evals, held_out)
     return _metrics(role, seed, series)
 
 
@@ -300,32 +384,37 @@ def write_run(run: RunMetrics, root: str | Path) -> Path:
 
 
 def simulate(rates: Rates, seeds: int, study: int, base_seed: int = 0, effect: str = NULL,
-             cache: dict | None = None) -> list[LearningRun]:
-    """The runs of one simulated study (``seeds`` blocks per arm) with ``effect`` planted, as the analysis reads
-    them (learning.learning_run, own spikes marked). ``cache`` keeps the unplanted runs for the next effect."""
+             cache: dict | None = None, dead: DeadInput | None = None) -> list[LearningRun]:
+    """The runs of one simulated study (``seeds`` blocks per arm) with ``effect`` planted in dead-input scenario
+    ``dead``, as the analysis reads them (learning.learning_run, own spikes marked). ``cache`` keeps the
+    unplanted runs for the next effect (of the same scenario)."""
     if effect not in EFFECTS:
         raise ValueError(f"effect {effect!r}: choose one of {', '.join(EFFECTS)}")
+    dead = check_dead(dead)
     cache = {} if cache is None else cache
     out = []
     for seed in range(seeds):
         for role in (*CLAIM_ROLES, *MECH_ROLES):
             planted = effect if role in PLANTED.get(effect, ()) else NULL
             if (seed, role, planted) not in cache:
-                metrics = study_run(rates, role, seed, study, base_seed, planted)
+                metrics = study_run(rates, role, seed, study, base_seed, planted, dead=dead)
                 cache[(seed, role, planted)] = learning.learning_run(metrics, UNIGRAM)
             out.append(cache[(seed, role, planted)])
     learning.mark_own_spikes(out)
     return out
 
 
-def study_run(rates: Rates, role: str, seed: int, study: int, base_seed: int = 0, effect: str = NULL) -> RunMetrics:
+def study_run(rates: Rates, role: str, seed: int, study: int, base_seed: int = 0, effect: str = NULL, *,
+              dead: DeadInput | None = None) -> RunMetrics:
     """One simulated run (``role`` in block ``seed`` of study ``study``) as read_run would read it; its block's
     shared draws and its own come from generators keyed by (base_seed, study, seed, arm or role)."""
     mech = role in MECH_ROLES
     horizon = learning_params.MECH_STEPS if mech else learning_params.H
     block = block_of_study(rates, horizon, (base_seed, study, seed, 1000 + mech))
-    make = mechanism_run if mech else claims_run
-    return make(rates, role, seed, block, (base_seed, study, seed, ROLE_KEYS[role]), effect)
+    key = (base_seed, study, seed, ROLE_KEYS[role])
+    if mech:
+        return mechanism_run(rates, role, seed, block, key, effect)
+    return claims_run(rates, role, seed, block, key, effect, dead)
 
 
 def verdicts_of(runs: Sequence[LearningRun], seeds: int) -> dict[str, str]:
@@ -339,16 +428,16 @@ def verdicts_of(runs: Sequence[LearningRun], seeds: int) -> dict[str, str]:
     return out
 
 
-def _studies(job: tuple[Rates, tuple[int, ...], tuple[int, ...], int]) -> tuple[dict, dict]:
+def _studies(job: tuple[Rates, tuple[int, ...], tuple[int, ...], int, DeadInput]) -> tuple[dict, dict]:
     """Verdict counts {effect: {n: {key: {verdict: count}}}} and the null runs' sums over the studies given."""
-    rates, seeds, studies, base_seed = job
+    rates, seeds, studies, base_seed, dead = job
     counts: dict = {effect: {n: {} for n in seeds} for effect in EFFECTS}
     sums = {"claims_runs": 0, "own": 0, "shared": 0, "recovered": 0, "events": 0, "cascades": 0, "learned": 0,
-            "clip1_share": []}
+            "dead": 0, "clip1_share": []}
     for study in studies:
         cache: dict = {}
         for effect in EFFECTS:
-            runs = simulate(rates, max(seeds), study, base_seed, effect, cache)
+            runs = simulate(rates, max(seeds), study, base_seed, effect, cache, dead)
             if effect == NULL:
                 claims = [r for r in runs if r.arm == CLAIMS]
                 sums["claims_runs"] += len(claims)
@@ -358,6 +447,7 @@ def _studies(job: tuple[Rates, tuple[int, ...], tuple[int, ...], int]) -> tuple[
                 sums["recovered"] += sum(sum(r.spike_recovered) for r in claims)
                 sums["cascades"] += sum(r.cascades for r in claims)
                 sums["learned"] += sum(r.learned for r in claims)
+                sums["dead"] += sum(r.kind == "dead input" for r in claims)
                 sums["clip1_share"] += [r.clip_share_early for r in claims if r.role == "clip1"]
             for n in seeds:
                 for key, verdict in verdicts_of(runs, n).items():
@@ -366,12 +456,14 @@ def _studies(job: tuple[Rates, tuple[int, ...], tuple[int, ...], int]) -> tuple[
     return counts, sums
 
 
-def power_table(rates: Rates, seeds: Sequence[int], studies: int, base_seed: int = 0, jobs: int = 1) -> dict:
-    """Verdict counts per (effect, seeds) over ``studies`` simulated studies, and the null runs' spike and
-    learning numbers (to compare with the rates). ``jobs`` processes share the studies; each study's runs come
-    from its own generators, so the table is the same for any ``jobs``."""
+def power_table(rates: Rates, seeds: Sequence[int], studies: int, base_seed: int = 0, jobs: int = 1,
+                dead: DeadInput | None = None) -> dict:
+    """Verdict counts per (effect, seeds) over ``studies`` simulated studies in dead-input scenario ``dead``,
+    and the null runs' spike and learning numbers (to compare with the rates). ``jobs`` processes share the
+    studies; each study's runs come from its own generators, so the table is the same for any ``jobs``."""
     seeds = tuple(sorted(seeds))
-    parts = [(rates, seeds, tuple(range(i, studies, jobs)), base_seed) for i in range(max(1, jobs))]
+    dead = check_dead(dead)
+    parts = [(rates, seeds, tuple(range(i, studies, jobs)), base_seed, dead) for i in range(max(1, jobs))]
     if jobs > 1:
         import multiprocessing
 
@@ -396,9 +488,10 @@ def power_table(rates: Rates, seeds: Sequence[int], studies: int, base_seed: int
     runs = max(1, sums["claims_runs"])
     null = {"own_spikes_per_run": sums["own"] / runs, "shared_spikes_per_run": sums["shared"] / runs,
             "recovered_share": sums["recovered"] / max(1, sums["events"]), "cascades_per_run": sums["cascades"] / runs,
-            "learned_share": sums["learned"] / runs,
+            "learned_share": sums["learned"] / runs, "dead_input_share": sums["dead"] / runs,
             "clip1_early_clip_share": float(np.median(sums["clip1_share"])) if sums["clip1_share"] else math.nan}
-    return {"studies": studies, "seeds": list(seeds), "base_seed": base_seed, "counts": _plain_counts(counts),
+    return {"studies": studies, "seeds": list(seeds), "base_seed": base_seed,
+            "scenario": {"dead_input": {role: list(v) for role, v in dead.items()}}, "counts": _plain_counts(counts),
             "null_runs": null, "rates": asdict(rates),
             "design": {"L": learning_params.L, "H": learning_params.H, "DELTA_EARLY": learning_params.DELTA_EARLY,
                        "MECH_STEPS": learning_params.MECH_STEPS, "UNIGRAM": UNIGRAM, "FINAL_GAIN": FINAL_GAIN}}
@@ -417,8 +510,9 @@ def share(table: dict, effect: str, n: int, key: str, verdicts: Sequence[str]) -
 def markdown(table: dict, command: str = "", seconds: float | None = None) -> str:
     seeds = table["seeds"]
     head = "| | " + " | ".join(f"{n} seeds" for n in seeds) + " |"
-    lines = ["### Power: the share of simulated studies that find each planted effect", "", head,
-             "|---|" + "---|" * len(seeds)]
+    dead = {role: tuple(v) for role, v in table.get("scenario", {}).get("dead_input", {}).items()}
+    lines = ["### Power: the share of simulated studies that find each planted effect", "",
+             f"Under the failure assumption: {describe_dead(dead)}.", "", head, "|---|" + "---|" * len(seeds)]
     for effect in EFFECTS[1:]:
         key = TARGET[effect]
         found = "detects" if key == "control" else REPRODUCED
@@ -446,6 +540,9 @@ def markdown(table: dict, command: str = "", seconds: float | None = None) -> st
     for key in KEYS:
         lines.append(f"| {key} called absent | " + " | ".join(
             f"{share(table, NULL, n, key, [ABSENT]):.0%}" for n in seeds) + " |")
+    for key in CLAIM_KEYS:
+        lines.append(f"| {key} not testable at this scale | " + " | ".join(
+            f"{share(table, NULL, n, key, [NOT_TESTABLE]):.0%}" for n in seeds) + " |")
     r, null = table["rates"], table["null_runs"]
     lines += ["", f"{table['studies']} simulated studies per cell (generators keyed by seed {table['base_seed']}, study, "
               f"block and role), arm claims at lr {learning_params.L:g} for H = {learning_params.H} steps, "
@@ -460,7 +557,8 @@ def markdown(table: dict, command: str = "", seconds: float | None = None) -> st
               f"{r['spikes_per_100'] * learning_params.H / 100 * r['shared_share']:.2f} over {learning_params.H} "
               "steps, "
               f"{r['recovered_share']:.0%} recovered), cascades "
-              f"{null['cascades_per_run']:.3f} a run, {null['learned_share']:.0%} learned, clip 1's early clip share "
+              f"{null['cascades_per_run']:.3f} a run, {null['learned_share']:.0%} learned "
+              f"({null.get('dead_input_share', 0.0):.0%} lost their input), clip 1's early clip share "
               f"{null['clip1_early_clip_share']:.2f} (median)."]
     return "\n".join(lines) + "\n"
 
@@ -489,6 +587,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="processes sharing the studies (the table is the same)")
     p.add_argument("--rates", metavar="FILE", help="rates.json (from --measure) instead of DEFAULT_RATES")
     p.add_argument("--measure", nargs="+", metavar="RUN_DIR", help="measure the rates on these runs: rates.json")
+    p.add_argument("--dead", action="append", default=[], metavar="ROLE=P:FIRST:LAST",
+                   help="the scenario: ROLE's frontend dies with probability P at a step drawn from FIRST..LAST "
+                        "(e.g. deepnorm=1.0:300:700; repeatable)")
     p.add_argument("--calibration-lrs", type=float, nargs="+", default=[3e-3, 1e-2],
                    help="with --measure: the lrs of the calibration runs")
     args = p.parse_args(argv)
@@ -503,9 +604,10 @@ def cli_main(argv: list[str] | None = None) -> int:
             (out / "rates.json").write_text(json.dumps(asdict(rates), indent=2) + "\n")
             print((out / "rates.json").read_text())
             return 0
+        dead = parse_dead(args.dead)
         rates = read_rates(args.rates) if args.rates else DEFAULT_RATES
         start = time.perf_counter()
-        table = power_table(rates, args.seeds, args.studies, args.seed, args.jobs)
+        table = power_table(rates, args.seeds, args.studies, args.seed, args.jobs, dead)
         seconds = time.perf_counter() - start
     except (FileNotFoundError, ValueError) as e:
         print(f"power_runs: error: {e}", file=sys.stderr)
