@@ -169,3 +169,14 @@ def test_a_dead_deepnorm_leaves_claim_b_not_testable_and_the_table_says_so(tmp_p
         assert power_runs.cli_main(["--out", str(out), "--studies", "1", "--seeds", "1", "--dead", bad]) == 2, bad
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and why in err and bad in err, (bad, err)
+
+
+def test_measuring_runs_without_a_block_of_two_is_refused_by_name(tmp_path, short, capsys):
+    """--measure on runs whose every block (lr, seed) has one run that did not fail (the learning calibration:
+    DeepNorm lost its input at both rates) exits 2 saying the run-to-run noise needs two runs of one block."""
+    for seed in (0, 1):
+        power_runs.write_run(power_runs.study_run(power_runs.DEFAULT_RATES, "clip1", seed, 0), tmp_path / "runs")
+    assert power_runs.cli_main(["--out", str(tmp_path / "o"), "--measure", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "a run's own noise needs a block (lr, seed) with two runs that did not fail" in err
+    assert "2 blocks of one run" in err

@@ -137,6 +137,9 @@ def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: 
     by_block: dict[tuple, list] = {}
     for item in calib:
         by_block.setdefault(item[2], []).append(item)
+    if all(len(members) < 2 for members in by_block.values()):
+        raise ValueError(f"a run's own noise needs a block (lr, seed) with two runs that did not fail: "
+                         f"{len(by_block)} blocks of one run ({', '.join(r.name for r, *_ in calib)})")
     events, shared, recovered, steps, n_casc = 0, 0, 0, 0, 0
     batch, pair = [], []
     for members in by_block.values():
