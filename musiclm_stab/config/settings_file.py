@@ -17,9 +17,9 @@ from musiclm_stab.config.checks import ConfigError, _show
 # A recipe or a run's config.yaml has a few hundred values; YAML aliases (``*name``) may repeat a part of the
 # file, and a few nested ones a billion times over (a 301-byte "alias bomb"): refused beyond this many values.
 MAX_YAML_VALUES = 10_000
-# Texts up to this many characters have their parse kept (``_parsed``); a recipe or a run's config.yaml has a few
-# thousand.
-CACHED_TEXT_CHARS = 65_536
+# Texts up to this many characters have their parse kept (``_parsed``, at most 512 of them: a few MB at most); a
+# recipe or a run's config.yaml has 1,000-3,000.
+CACHED_TEXT_CHARS = 16_384
 
 
 class _SettingsLoader(yaml.SafeLoader):
