@@ -167,3 +167,23 @@ def test_a_settings_file_is_read_back_as_written(tmp_path):
     cfg = load_config(TINY, ["--data.path=[a,b]"])
     save_config(cfg, tmp_path / "config.yaml")
     assert config_from_run(tmp_path).to_dict() == cfg.to_dict()
+
+
+def test_a_settings_file_read_again_is_what_it_holds_now_and_each_caller_s_own(tmp_path):
+    """read_settings_file keeps each text's parse (a study's plan reads each recipe once per run): a file read
+    again gives what it holds now (rewritten in place at the same size), the values one caller changed are not
+    what the next read gets, and a bad text is refused on every read, not only the first."""
+    from musiclm_stab.config.settings_file import read_settings_file
+
+    path = tmp_path / "r.yaml"
+    path.write_text("optim:\n  lr: 0.001\n")
+    first = read_settings_file(path)
+    first["optim"]["lr"] = 5.0
+    assert read_settings_file(path) == {"optim": {"lr": 0.001}}
+    path.write_text("optim:\n  lr: 0.002\n")
+    assert read_settings_file(path) == {"optim": {"lr": 0.002}}
+    assert load_config([TINY, path]).optim.lr == 0.002
+    path.write_text("optim:\n  lr: 0.001\n  lr: 0.002\n")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="duplicate key 'lr'"):
+            read_settings_file(path)

@@ -5,6 +5,7 @@ config (a run's config.yaml, ``--print-config``) and reading a run's back as it 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -91,6 +92,14 @@ def setting_text(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+@functools.cache
+def _hints(section_type: type) -> dict[str, Any]:
+    """The declared type of each setting of a section's class: ``typing.get_type_hints`` evaluates every
+    annotation's text again on each call (most of a config's loading time, which a study's plan pays once per
+    run and setting), and a class's annotations do not change, so each class's are evaluated once."""
+    return typing.get_type_hints(section_type)
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     sections = {f.name: f for f in dataclasses.fields(cfg)}
@@ -98,7 +107,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown setting {_show(dotted)}; settings are <section>.<key> with section one of: "
                           f"{', '.join(sections)}")
     section = getattr(cfg, parts[0])
-    hints = typing.get_type_hints(type(section))
+    hints = _hints(type(section))
     names = [f.name for f in dataclasses.fields(section)]
     if parts[1] not in names:
         raise ConfigError(f"unknown setting {_show(dotted)}; valid keys of {parts[0]}: {', '.join(names)}")

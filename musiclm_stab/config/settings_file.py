@@ -5,6 +5,8 @@ twice in a mapping, no alias that expands the document beyond ``MAX_YAML_VALUES`
 from __future__ import annotations
 
 import codecs
+import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,9 @@ from musiclm_stab.config.checks import ConfigError, _show
 # A recipe or a run's config.yaml has a few hundred values; YAML aliases (``*name``) may repeat a part of the
 # file, and a few nested ones a billion times over (a 301-byte "alias bomb"): refused beyond this many values.
 MAX_YAML_VALUES = 10_000
+# Texts up to this many characters have their parse kept (``_parsed``, at most 512 of them: a few MB at most); a
+# recipe or a run's config.yaml has 1,000-3,000.
+CACHED_TEXT_CHARS = 16_384
 
 
 class _SettingsLoader(yaml.SafeLoader):
@@ -91,6 +96,28 @@ def _yaml_reason(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
 
+def _parse(text: str) -> Any:
+    return yaml.load(text, Loader=_SettingsLoader)
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(text: str) -> Any:
+    """``_parse`` of a text, kept by the text itself (not by its path): a study's plan reads the same recipe and
+    overlays once per run, and parsing is most of that; the same text parses to the same values, and a file
+    whose text changed is parsed anew. Callers get a deep copy (``read_settings_file``): what they change is
+    theirs. A text that fails to parse is not kept: its error is raised again on each read."""
+    return _parse(text)
+
+
+def _read(text: str) -> Any:
+    if len(text) > CACHED_TEXT_CHARS:
+        return _parse(text)
+    try:
+        return copy.deepcopy(_parsed(text))
+    except RecursionError:  # parsed, but nested deeper than a copy can go: parsed again, as before the cache
+        return _parse(text)
+
+
 def read_settings_file(path: str | Path) -> Any:
     """The YAML document of a recipe or a run's config.yaml, read with ``_SettingsLoader``; ConfigError
     ``<path>: <reason>`` for a file that is missing, unreadable, not UTF-8 or not valid YAML."""
@@ -105,7 +132,7 @@ def read_settings_file(path: str | Path) -> Any:
         at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
         raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[at]:02x} at offset {at} cannot be decoded") from None
     try:
-        return yaml.load(text, Loader=_SettingsLoader)
+        return _read(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: {_yaml_reason(e)}") from None
     except RecursionError:
