@@ -232,11 +232,12 @@ def write_profile(step, device: torch.device, path: str, title: str, steps: int 
         sync(device)
     wall_us = (time.perf_counter() - t) * 1e6
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = prof.key_averages()  # once: each call aggregates every event again
     families: dict[str, float] = {}
     if cuda:  # kernels only: each kernel's own duration (operators would count their kernels again)
         kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type.name == "CUDA"]
     else:
-        kernels = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+        kernels = [(e.key, e.self_cpu_time_total) for e in averages]
     for name, us in kernels:
         families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us
     busy = sum(families.values())
@@ -244,7 +245,7 @@ def write_profile(step, device: torch.device, path: str, title: str, steps: int 
                "families_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])}}
     with open(path, "w") as f:
         f.write(f"# {title}, {steps} steps, sorted by {key}\n")
-        f.write(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
+        f.write(averages.table(sort_by=key, row_limit=rows, max_name_column_width=70))
         what = "device (kernel) time" if cuda else "CPU self time"
         f.write(f"\n# {what} by kernel family, per step (wall {summary['wall_ms_per_step']:.1f} ms, "
                 f"{what} {summary['busy_ms_per_step']:.1f} ms = {busy / wall_us:.0%} of the wall time)\n")

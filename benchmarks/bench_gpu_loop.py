@@ -10,7 +10,7 @@ Held-out evaluation is off (``train.eval_every=0``): its time is outside the row
 
     python benchmarks/bench_gpu_loop.py --data TOKENS --steps 200 --log-every 10
     python benchmarks/bench_gpu_loop.py --data TOKENS --device cpu --size tiny --batch 1 --seconds 0.64 \\
-        --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1              # smoke test
+        --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1 --synthetic-warmup 0  # smoke test
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="0: half the steps (one write mid-run)")
     p.add_argument("--skip-rows", type=int, default=3, help="metrics rows dropped at the start")
     p.add_argument("--synthetic-steps", type=int, default=20)
+    p.add_argument("--synthetic-warmup", type=int, default=3, help="untimed synthetic steps first")
     p.add_argument("--out", default=None, help="folder for the logs and the JSON row (default: a temp dir)")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
@@ -99,7 +100,7 @@ def main() -> None:
     synth_json = out / "synthetic.json"
     synth_cmd = [sys.executable, str(HERE / "bench_gpu.py"), "--device", args.device, "--sizes", args.size,
                  "--cases", args.case, "--batch", str(args.batch), "--seconds", str(args.seconds),
-                 "--steps", str(args.synthetic_steps), "--warmup", "3", "--json", str(synth_json)]
+                 "--steps", str(args.synthetic_steps), "--warmup", str(args.synthetic_warmup), "--json", str(synth_json)]
     run(synth_cmd, env, out / "synthetic.log")
     (synth,) = json.loads(synth_json.read_text())
     row = {"case": args.case, "configs": configs, "size": args.size, "batch": args.batch, "seconds": args.seconds,

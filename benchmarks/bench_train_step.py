@@ -76,7 +76,7 @@ def matmul_rate(dtype: str, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="base", choices=["tiny", "base", "large"])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -90,7 +90,7 @@ def main() -> None:
                    help="ours: as trained (fused AdamW, CPU fast dropout); peer: HubertModel backbone with our "
                    "heads, fused AdamW; before: ours with foreach AdamW and torch's dropout (the code before the "
                    "speed work); compiled: ours with train.compile; ckpt: ours with activation checkpointing")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     T = int(args.seconds * 75)
     wav = torch.randn(args.batch, 320 * T) * 0.1

@@ -172,6 +172,8 @@ fi
 
 # Each section's command is the GPU plan's; with --smoke, the arguments after it (S) make it tiny and put it on
 # the CPU: the last value of an option wins, so the smoke run also checks that every option of the GPU plan parses.
+# No warm-up steps there (a smoke run times nothing; each is seconds of a test's CPU), except the runner's
+# workers: their first step must not eat the 1 s window.
 TMP=/tmp
 S=()
 TINY=()
@@ -186,25 +188,26 @@ smoke() { if [ $SMOKE = 1 ]; then S=("$@"); else S=(); fi; }
 for s in $SECTIONS; do
   case $s in
   step)
-    smoke --device cpu --sizes tiny --cases fairseq-math --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 1 \
+    smoke --device cpu --sizes tiny --cases fairseq-math --extra tiny:fp32-sdpa+gemm "${TINY[@]}" --steps 1 --warmup 0 \
       --profile-steps 1
     section step 150 step.md $PY benchmarks/bench_gpu.py --sizes base large --cases fairseq-math fairseq-relax bf16-sdpa \
       --extra base:fairseq-math+gemm base:fairseq-math+cudnnbench large:fairseq-math+gemm --steps 10 --warmup 3 \
       --profile "$OUT/profile.txt" --json "$OUT/raw/step.json" "${S[@]}" ;;
   peer)
-    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 1
+    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 0
     section peer 100 peer.md $PY benchmarks/bench_gpu_peer.py --sizes base large --cases fairseq-math bf16-sdpa \
       --steps 6 --warmup 2 --json "$OUT/raw/peer.json" "${S[@]}" ;;
   compile)
     # as train.compile does, then per layer; the second also when the first failed; the worse exit status of the
     # two. Smoke: the eager backend (dynamo's tracing without inductor's code generation)
-    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 1 --compile-backend eager
+    smoke --device cpu --sizes tiny --cases fp32-sdpa "${TINY[@]}" --steps 1 --warmup 0 --compile-backend eager
     section compile 130 compile.md bash -c "$PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math \
       --compile trainer --steps 10 --warmup 3 --json $OUT/raw/compile_trainer.json ${S[*]}; a=\$?; \
       $PY benchmarks/bench_gpu.py --sizes base --cases fairseq-math --compile layers --steps 10 --warmup 3 \
       --json $OUT/raw/compile_layers.json ${S[*]}; b=\$?; exit \$(( a > b ? a : b ))" ;;
   loop)
-    smoke --device cpu --size tiny "${TINY[@]}" --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1
+    smoke --device cpu --size tiny "${TINY[@]}" --workers 0 --steps 2 --log-every 1 --skip-rows 0 --synthetic-steps 1 \
+      --synthetic-warmup 0
     if [ -d "$DATA" ]; then
       section loop 100 loop.md $PY benchmarks/bench_gpu_loop.py --data "$DATA" --steps 200 --log-every 10 \
         --skip-rows 3 --out "$OUT/raw/loop" "${S[@]}"
@@ -212,11 +215,11 @@ for s in $SECTIONS; do
       skip loop loop.md "no tokenized dataset at $DATA (benchmarks/gpu_prep.sh makes one; or set GPU_SUITE_DATA)"
     fi ;;
   runner)
-    smoke --device cpu --size tiny --case fp32-sdpa "${TINY[@]}" --jobs 1 2 --inproc 2 --window 1 --lead 0.3 --warmup 1
+    smoke --device cpu --size tiny --case fp32-sdpa "${TINY[@]}" --jobs 1 2 --inproc 2 --window 1 --lead 0 --warmup 1
     section runner 120 runner.md $PY benchmarks/bench_gpu_runner.py --jobs 1 3 5 7 --inproc 3 --window 12 --lead 2 \
       --json "$OUT/raw/runner.json" "${S[@]}" ;;
   fp16_modes)
-    smoke --device cpu --size tiny --layers 1 --batch 1 --seconds 0.5 --rounds 1 --warmup 1
+    smoke --device cpu --size tiny --layers 1 --batch 1 --seconds 0.5 --rounds 1 --warmup 0
     section fp16_modes 120 fp16_modes.md bash -c "$PY benchmarks/bench_fp16.py --device cuda --size base --batch 16 \
       --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_base.json ${S[*]} && $PY benchmarks/bench_fp16.py \
       --device cuda --size large --batch 8 --seconds 5.12 --rounds 8 --json $OUT/raw/fp16_large.json ${S[*]}" ;;
