@@ -57,11 +57,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def tokens(tmp_path_factory, local_weights) -> Path:
     """Three real chorales (7.5 s each) rendered and tokenized through the CLI: 3 rows of 2.5 s per track,
     longer than the 2 s crop (crops are drawn); one track is held out (eval_fraction 0.3), so an epoch is 3
-    batches of 2 and the run stopped at step 4 resumes mid-epoch."""
+    batches of 2 and the run stopped at step 4 resumes mid-epoch. Tokenized in the CLI's own process
+    (--workers 0): the one work unit would go to one spawned worker, another process importing torch, and
+    spawned workers are test_api's README example's to prove (and the tokenizer's tests')."""
     tmp = tmp_path_factory.mktemp("e2e")
     run(CLI + ["build-corpus", str(tmp / "corpus"), "--num-tracks", "3", "--max-seconds", "7.5"], tmp)
     run(CLI + ["tokenize", str(tmp / "corpus"), str(tmp / "tokens"), "--weights", str(local_weights),
-               "--segment-seconds", "2.5"], tmp)
+               "--segment-seconds", "2.5", "--workers", "0"], tmp)
     assert (tmp / "tokens" / "failures.jsonl").read_text().strip() == ""
     return tmp / "tokens"
 
