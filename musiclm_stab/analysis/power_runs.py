@@ -78,7 +78,16 @@ from musiclm_stab.analysis.decide import ABSENT, NOT_TESTABLE, REFUTED, REPRODUC
 from musiclm_stab.analysis.instability import EARLY_SHARE
 from musiclm_stab.analysis.learning import LearningRun
 from musiclm_stab.analysis.learning_params import CLAIMS, MECH_ROLES, MECHANISM
-from musiclm_stab.analysis.learning_report import ROLE_SHORT
+from musiclm_stab.analysis.power_dead import (
+    CLAIM_ROLES,
+    DEAD_PEN,
+    DeadInput,
+    check_dead,
+    dead_input_at,
+    describe_dead,
+    keyed_rng,
+    parse_dead,
+)
 from musiclm_stab.analysis.power_rates import DEFAULT_RATES, Rates, measure_rates
 from musiclm_stab.analysis.runs import RunMetrics
 from musiclm_stab.config.loading import load_config
@@ -89,7 +98,6 @@ SCALE_CAP = 128.0  # the loss scale overflows at this scale (the instability stu
 SCALE_WINDOW = 32
 DIAG_EVERY = 5
 EVAL_EVERY = 100
-CLAIM_ROLES = ("clip10", "clip1", "deepnorm", "relax", "pre_nw", "post_w", "post_nw")
 ROLE_KEYS = {r: i for i, r in enumerate((*CLAIM_ROLES, *MECH_ROLES))}
 NULL = "null"
 EFFECTS = (NULL, "control 0.2", "control 0.5", "a", "b", "c", "d", "M1", "M2", "M3")
@@ -143,68 +151,6 @@ def config_of(role: str, seed: int) -> dict:
     return {**base, "train": {**base["train"], "seed": seed}}  # the other sections shared: nothing changes them
 
 
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.default_rng([int(k) for k in key])
-
-
-DeadInput = dict[str, tuple[float, int, int]]  # claims role -> (probability, first step, last step)
-DEAD_KEY = 7  # a run's dead-input draw: the generator of its key with this appended (its other draws untouched)
-DEAD_PEN = 1e-8  # a dead frontend's features_pen, a share of its first value
-
-
-def check_dead(dead: DeadInput | None) -> DeadInput:
-    """The dead-input scenario as {role: (p, first, last)}; ValueError naming the role and the reason when a
-    role is not a claims role, p is not in [0, 1] or the steps are not 2 <= first <= last <= H."""
-    out = {}
-    for role, (p, first, last) in (dead or {}).items():
-        if role not in CLAIM_ROLES:
-            raise ValueError(f"dead input of {role!r}: not a claims role (one of {', '.join(CLAIM_ROLES)})")
-        if not 0.0 <= float(p) <= 1.0:
-            raise ValueError(f"dead input of {role}: probability {p} not in [0, 1]")
-        if not 2 <= int(first) <= int(last) <= learning_params.H:
-            raise ValueError(f"dead input of {role}: steps {first}-{last} not within 2..H = {learning_params.H}")
-        out[role] = (float(p), int(first), int(last))
-    return out
-
-
-def parse_dead(texts: Sequence[str]) -> DeadInput:
-    """``--dead ROLE=P:FIRST:LAST`` values as a scenario (check_dead); ValueError naming the value."""
-    out: DeadInput = {}
-    for text in texts:
-        role, _, rest = text.partition("=")
-        parts = rest.split(":")
-        try:
-            p, first, last = float(parts[0]), int(parts[1]), int(parts[2])
-            if len(parts) != 3:
-                raise ValueError
-        except (ValueError, IndexError):
-            raise ValueError(f"--dead {text}: not ROLE=P:FIRST:LAST (e.g. deepnorm=1.0:300:700)") from None
-        try:
-            out.update(check_dead({role: (p, first, last)}))
-        except ValueError as e:
-            raise ValueError(f"--dead {text}: {e}") from None
-    return out
-
-
-def dead_input_at(dead: DeadInput | None, role: str, key: tuple[int, ...]) -> int | None:
-    """The step the run of ``role`` keyed ``key`` loses its input in scenario ``dead``; None when it does not.
-    Both numbers are drawn for every such run, so a run that dies at probability p dies at any higher one."""
-    if not dead or role not in dead:
-        return None
-    p, first, last = dead[role]
-    rng = _rng(*key, DEAD_KEY)
-    u, step = float(rng.uniform()), int(rng.integers(first, last + 1))
-    return step if u < p else None
-
-
-def describe_dead(dead: DeadInput | None) -> str:
-    """The scenario in words, for the table."""
-    if not dead:
-        return "every claims run's frontend lives (no dead input)"
-    return "; ".join(f"{ROLE_SHORT[role]}'s frontend dies (dead input) in {p:.0%} of its runs, at a step drawn "
-                     f"from {first}-{last}" for role, (p, first, last) in dead.items())
-
-
 @dataclass
 class Block:
     """What every run of a block shares: its batches (per-step noise, hard-batch spikes) and its levels."""
@@ -218,7 +164,7 @@ class Block:
 
 
 def block_of_study(rates: Rates, steps: int, key: tuple[int, ...]) -> Block:
-    rng = _rng(*key)
+    rng = keyed_rng(*key)
     n_spikes = rng.poisson(rates.shared_per_100 * steps / 100)
     spikes = [(int(rng.integers(max(2, steps // 10), steps)), float(rng.uniform(1.0, 2.0))) for _ in range(n_spikes)]
     offset_sd = math.sqrt(max(0.0, rates.early_block_sd ** 2 - rates.batch_sd ** 2 / max(1, rates.early_steps)))
@@ -236,7 +182,7 @@ def claims_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[int,
     """One simulated run of arm claims (module docstring) with ``effect`` planted where it concerns ``role``, its
     frontend dying where scenario ``dead`` draws it."""
     h = learning_params.H
-    rng = _rng(*key)
+    rng = keyed_rng(*key)
     planted = role in PLANTED.get(effect, ())
     died = dead_input_at(dead, role, key)
     t = np.arange(1, h + 1)
@@ -311,7 +257,7 @@ def mechanism_run(rates: Rates, role: str, seed: int, block: Block, key: tuple[i
     """One simulated run of arm mechanism: it diverges at a drawn Pre-LN failure step, unless ``effect`` makes
     ``role`` the treated one that survives the horizon."""
     h = learning_params.MECH_STEPS
-    rng = _rng(*key)
+    rng = keyed_rng(*key)
     fails = role not in PLANTED.get(effect, ())
     at = int(rng.choice(rates.pre_ln_failure_steps)) if fails else h + 1
     t = np.arange(1, min(h, at - 1) + 1)
