@@ -21,10 +21,11 @@ STEPS = 1000
 
 
 def write_run(root: Path, role: str, lr: float, below: dict[int, float], *, early: float = 80.0,
-              last: int = STEPS, diverges_at: int | None = None) -> Path:
+              last: int = STEPS, diverges_at: int | None = None, dead_from: int | None = None) -> Path:
     """A calibration run as the command in docs/STUDY.md makes it (the recipe, the cpu overlays, its
     overrides), its training loss ``early`` bits over the first 250 steps and 60 after, and its held-out cb0
-    ``below[step]`` bits from the unigram level at the steps given (0 at the others)."""
+    ``below[step]`` bits from the unigram level at the steps given (0 at the others); from step ``dead_from`` its
+    frontend's output 1e-3 of its first RMS (a dead input)."""
     cfg = load_config([REPO / "recipes" / f"{RECIPE[role]}.yaml", *CPU],
                       [f"--optim.lr={lr}", f"--train.max_steps={STEPS}", "--optim.warmup_steps=80",
                        "--train.eval_every=100", "--train.seed=300"]).to_dict()
@@ -37,7 +38,8 @@ def write_run(root: Path, role: str, lr: float, below: dict[int, float], *, earl
             rows.append({"step": t, "event": "min_loss_scale", "loss_scale": 1e-4, "overflow_step": 7})
             break
         row = {"step": t, "loss": early if t <= 250 else 60.0, "acoustic_mlm_loss/cb0": 9.5, "grad_norm": 1.0,
-               "grad_clipped": 1.0, "features_pen": 0.1, "loss_scale": 64.0, "overflow_step": 0}
+               "grad_clipped": 1.0, "features_pen": 0.1 * (1e-6 if dead_from and t >= dead_from else 1.0),
+               "loss_scale": 64.0, "overflow_step": 0}
         if t % 100 == 0:
             row["eval/acoustic_mlm_loss/cb0"] = UNIGRAM + below.get(t, 0.0)
         rows.append(row)
@@ -134,3 +136,14 @@ def test_the_committed_calibration_recomputes(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert (learning_params.H, learning_params.L) == (saved["H"], saved["L"])
     assert learning_params.DELTA_EARLY == round(saved["delta_early"], 3)
+
+
+def test_a_run_whose_input_is_dying_is_still_running(tmp_path):
+    """DeepNorm at step 500 of 1000, its frontend below 1% of its first RMS since step 300: a dead input is judged
+    at a run's end (it may recover), so the rule waits for it and names it."""
+    for lr in (3e-3, 1e-2):
+        write_run(tmp_path, "clip1", lr, falling(0.06))
+    write_run(tmp_path, "deepnorm", 3e-3, falling(0.06))
+    write_run(tmp_path, "deepnorm", 1e-2, {}, last=500, dead_from=300)
+    with pytest.raises(ValueError, match=r"still running: deepnorm at lr 1e-2 \(at step 500 of 1000\)"):
+        choose_horizon([tmp_path], UNIGRAM)

@@ -14,8 +14,8 @@ and 1e-2, 1000 steps, a held-out evaluation every 100 steps. The rule, fixed bef
 - DELTA_EARLY, the margin of the early-loss claims, is 1% of the early loss (mean training loss in bits over
   steps 1..H/4, the study's own early window) of the Pre-Norm clip 1 calibration run at L.
 
-The rule is applied only when all four runs are in: each reached its last step or failed (diverged, or its
-input died). Otherwise this refuses and names what is missing.
+The rule is applied only when all four runs are in: each reached its last step, or stopped at fp16's loss-scale
+floor (a dead input is judged at a run's end: a run whose input is dying may still recover). Otherwise this refuses and names what is missing.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _calibration_runs(runs: Sequence[RunMetrics]) -> dict[tuple[float, str], Run
         steps = int((run.config.get("train") or {}).get("max_steps", 0))
         if steps != CALIBRATION_STEPS:
             raise ValueError(f"{run.path}: {steps} steps, the calibration's runs have {CALIBRATION_STEPS}")
-        if (run.last_step or 0) < steps and failure(run).kind == "none":
+        if (run.last_step or 0) < steps and run.diverged_at is None:  # a dead input is judged at the end
             unfinished.append(f"{role} at lr {lr_text(lr)} (at step {run.last_step or 0} of {steps})")
     if unfinished:
         raise ValueError("the rule is applied when every calibration run is in; still running: " + ", ".join(unfinished))
