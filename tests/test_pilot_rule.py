@@ -78,7 +78,9 @@ def test_below_the_margin_the_rule_asks_for_3l_then_chooses_it(tmp_path, capsys)
     assert (d.needs["layers"], d.needs["lr"]) == (8, pytest.approx(3 * learning_params.L))
     assert d.needs["roles"]["post_nw"] == "post_nw_lr9e-3"
     assert cli_main([str(tmp_path), "--unigram", str(UNIGRAM)]) == 0
-    assert "Not chosen yet: the rule needs the pilots at 8 layers, lr 9e-3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Not chosen yet: the rule needs the pilots at 8 layers, lr 9e-3" in out
+    assert "`--only clip1 pre_nw post_w post_nw --control-at 8:9e-3`" in out
     write_setting(tmp_path, 0.2, lr=3 * learning_params.L)
     d = apply_rule([tmp_path], UNIGRAM)
     assert (d.step, d.layers, d.lr) == (2, 8, pytest.approx(3 * learning_params.L))

@@ -122,3 +122,30 @@ def test_the_command_line_s_only_takes_the_learning_roles(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli_main(["--design", design, *argv[2:], "--only", wrong])
         assert f"--only {wrong}: the {design} design's names are" in capsys.readouterr().err
+
+
+def test_control_at_plans_the_controls_pilots_where_the_rule_asks(tmp_path, capsys):
+    """`--control-at 8:9e-3` (the pilots' rule's step 2) plans the control's four at 3L beside the claims' clip 1
+    at L, as a rule-moved control runs; a rate other than L or 3L, a malformed value, or the option in another
+    design is refused."""
+    from musiclm_stab.experiments.study import cli_main
+
+    argv = ["--design", "learning", "--scale", "cpu", "--print-only", "--seeds", "1", "--first-seed", "301",
+            "--runs", str(tmp_path), "--data", str(tmp_path / "tokens"), "--only", *CONTROL_ROLES]
+    assert cli_main([*argv, "--control-at", "8:9e-3"]) == 0
+    launches = [line for line in capsys.readouterr().out.splitlines() if "accelerate launch" in line]
+    names = sorted(line.split("--train.name=")[1].split()[0] for line in launches)
+    assert names == sorted(["study_prenorm_clip1_run2_tiny_lr3e-3_s301", "study_prenorm_clip1_run2_tiny_lr9e-3_s301",
+                            "control_prenorm_clip1_nowarmup_tiny_lr9e-3_s301",
+                            "control_postnorm_clip1_warmup_tiny_lr9e-3_s301",
+                            "control_postnorm_clip1_nowarmup_tiny_lr9e-3_s301"])
+    study = _plan(tmp_path, seeds=1, only=CONTROL_ROLES, control_at=(24, learning_params.L))
+    assert sorted((r.stem, r.config().model.num_layers) for r in study.runs) == [
+        ("clip1", 8), ("clip1", 24), ("post_nw", 24), ("post_w", 24), ("pre_nw", 24)]
+    with pytest.raises(ValueError, match=r"its lr is one of 0.003, 0.009 \(L, 3L\)"):
+        _plan(tmp_path, seeds=1, control_at=(8, 1e-2))
+    with pytest.raises(ValueError, match="control_at is the learning design's"):
+        plan_study("cpu", tmp_path, data="work/t", control_at=(8, 3e-3))
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--control-at", "24"])
+    assert "'24': give LAYERS:LR, e.g. 24:3e-3" in capsys.readouterr().err

@@ -142,8 +142,10 @@ def markdown(d: PilotDecision, unigram_eval_cb0: float) -> str:
         lines.append(f"| {layers} | {lr} | " + " | ".join(shown) + f" | {d.interactions[key]:+.3f} |")
     lines.append("")
     if d.step is None:
+        at = f"{d.needs['layers']}:{lr_text(d.needs['lr'])}"
         lines.append(f"Not chosen yet: the rule needs the pilots at {d.needs['layers']} layers, lr {lr_text(d.needs['lr'])}"
-                     f" (roles {', '.join(d.needs['roles'].values())}).")
+                     f" (roles {', '.join(d.needs['roles'].values())}): the pilots' study command with "
+                     f"`--only {' '.join(control_roles().values())} --control-at {at}`.")
     else:
         lines.append(f"**Rule step {d.step}: CONTROL_LAYERS = {d.layers}, CONTROL_LR = {lr_text(d.lr)}** "
                      f"(an interaction of at least {PILOT_MARGIN:g} bits chooses a setting).")

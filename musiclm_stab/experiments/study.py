@@ -462,6 +462,15 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     return written
 
 
+def _layers_lr(text: str) -> tuple[int, float]:
+    """--control-at LAYERS:LR, e.g. 24:3e-3."""
+    try:
+        layers, lr = text.split(":")
+        return int(layers), float(lr)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LAYERS:LR, e.g. 24:3e-3") from None
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="musiclm-stab study", description=__doc__.split("\n\n")[0],
                                 epilog="Reference: docs/STUDY.md (offline: musiclm-stab docs STUDY)")
@@ -494,6 +503,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                         + "; the control: " + CONTROL + "; the learning design: its roles, "
                         + ", ".join(LEARNING_ROLES) + "), named as in the whole study: a piece smaller than a "
                         "block, e.g. two seed-0 runs with their probes")
+    p.add_argument("--control-at", metavar="LAYERS:LR", type=_layers_lr,
+                   help="learning design: its positive control at this depth and rate (default: learning_params' "
+                        "CONTROL_LAYERS and CONTROL_LR), for the control's pilots (docs/STUDY.md \"Pilots\")")
     p.add_argument("--order", choices=ORDERS, default="paired",
                    help="data order across runs (default paired: one order per seed, shared by its runs)")
     p.add_argument("--jobs", type=int,
@@ -588,7 +600,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                                args.order, lrs=None if args.lrs is None else tuple(args.lrs),
                                first_seed=args.first_seed, control=not args.no_control,
                                only=None if args.only is None else tuple(args.only), design=args.design,
-                               arm=args.arm)
+                               arm=args.arm, control_at=args.control_at)
         except ValueError as e:  # a plan that asks for nothing (--only the control without its rates)
             p.error(str(e))
         threads = args.threads if args.scale == "cpu" and args.threads > 0 else None

@@ -15,6 +15,7 @@ with a positive control of warmup x Pre/Post-LN and mechanism checks, its runs n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,6 +234,7 @@ def plan_study(
     only: tuple[str, ...] | None = None,
     design: str = "claims",
     arm: str = "schemes",
+    control_at: tuple[int, float] | None = None,
 ) -> Study:
     """The runs of the study at ``scale``: the four configurations x the lr grid x ``seeds`` seeds from
     ``first_seed`` (the scale's defaults when None; pilots use seeds the study does not), plus the QK-norm
@@ -245,13 +247,16 @@ def plan_study(
     keeps the runs of those configurations, as the whole plan has them: a piece of a study smaller than a block.
     ``design`` and ``arm``: module docstring (the instability design at cpu and gpu scale: its six
     configurations at every rate of its grid, its seeds, overlays and folder name; ``control`` does not apply).
+    ``control_at`` (layers, lr): the learning design's positive control there (learning_study).
     """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
     if design not in DESIGNS:
         raise ValueError(f"design={design!r}: choose one of {', '.join(DESIGNS)}")
     if design == LEARNING:
-        return learning_study(scale, runs_dir, data, name, extra, seeds, first_seed, only)
+        return learning_study(scale, runs_dir, data, name, extra, seeds, first_seed, only, control_at)
+    if control_at is not None:
+        raise ValueError("control_at is the learning design's (its positive control's depth and rate)")
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r}: choose one of {', '.join(ARMS)}")
     instability = design == "instability"
@@ -317,10 +322,12 @@ def plan_study(
 
 def learning_study(scale: str, runs_dir: str | Path = "runs", data: str | Path | None = None, name: str | None = None,
                    extra: list[str] | None = None, seeds: int | None = None, first_seed: int = 0,
-                   only: tuple[str, ...] | None = None) -> Study:
+                   only: tuple[str, ...] | None = None, control_at: tuple[int, float] | None = None) -> Study:
     """The learning study's runs (``LEARNING_ROLES``; a run's ``stem`` is its role): the mechanism arm's seeds
     first, then the claims arm's, seed by seed; ``only`` keeps the runs of these roles. Every run of a seed sees
-    the same batches (data.order_seed unset: train.seed)."""
+    the same batches (data.order_seed unset: train.seed). The positive control runs at ``control_at`` (layers,
+    lr; default learning_params' CONTROL_LAYERS and CONTROL_LR): its pilots at the settings the pilots' rule
+    asks for (docs/STUDY.md "Pilots"), the lr one of CONTROL_LRS."""
     if scale not in LEARNING_OVERLAYS:
         raise ValueError(f"the learning design runs at scale {' or '.join(LEARNING_OVERLAYS)}, not {scale}")
     unknown = sorted(set(only or ()) - set(LEARNING_ROLES))
@@ -334,7 +341,10 @@ def learning_study(scale: str, runs_dir: str | Path = "runs", data: str | Path |
     out = Path(runs_dir) / (name or default_name(scale, LEARNING))
     seed_list = list(range(first_seed, first_seed + n_seeds))
     base = (rules.CLAIMS_LAYERS, rules.L)  # the claims arm's depth and rate
-    control = (rules.CONTROL_LAYERS, rules.CONTROL_LR)
+    control = (rules.CONTROL_LAYERS, rules.CONTROL_LR) if control_at is None else (int(control_at[0]), float(control_at[1]))
+    if control[0] < 1 or not any(math.isclose(control[1], lr) for lr in rules.CONTROL_LRS):
+        raise ValueError(f"the control at {control[0]} layers, lr {control[1]:g}: its lr is one of "
+                         f"{', '.join(f'{lr:g}' for lr in rules.CONTROL_LRS)} (L, 3L), its layers at least 1")
     runs = []
     for arm, overlay, steps in (("mechanism", MECHANISM_OVERLAYS[scale], rules.MECH_STEPS),
                                 ("claims", LEARNING_OVERLAYS[scale], rules.H)):
