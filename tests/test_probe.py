@@ -357,6 +357,29 @@ def test_probe_names_missing_or_mismatched_labels(trained_run, rendered_tokens, 
         probe_data.load_probe_data(trained_run, labels=other)
 
 
+def test_class_scorer_gives_class_metrics_of_every_resample_to_the_bit():
+    """class_scorer (per-item hits and per-track predictions computed once) scores the whole data and each
+    bootstrap resample of whole tracks exactly as class_metrics on the gathered logits does, for keys
+    (with MIREX) and instruments."""
+    rng = np.random.default_rng(0)
+    item_track = np.repeat(np.arange(9), rng.integers(1, 6, 9))
+    y = torch.from_numpy(rng.integers(0, 24, 9)[item_track])
+    logits = torch.from_numpy(rng.normal(size=(len(y), 24)).astype(np.float32))
+    logits[torch.arange(len(y)), y] += 1.5  # some items and tracks right, some wrong
+    for key in (True, False):
+        fast = probe_fit.class_scorer(logits, y, item_track, key)
+        seen: list[dict] = []
+
+        def both(items, groups, key=key, fast=fast, seen=seen):
+            seen.append(probe_fit.class_metrics(logits[items], y[items], groups, key))
+            assert fast(items, groups) == seen[-1]
+            return seen[-1]
+
+        assert both(np.arange(len(y)), item_track)["accuracy"] >= 0
+        probe_fit.bootstrap(both, item_track, seed=0, resamples=50)
+        assert len({d["track_accuracy"] for d in seen}) > 1 and ("mirex" in seen[0]) == key  # resamples differ
+
+
 def test_average_precision_and_mirex_score():
     """AP matches a hand computation (weights count items that many times); MIREX key credits are 1 / 0.5 /
     0.3 / 0.2 / 0; folds of tracks are a seeded partition."""
