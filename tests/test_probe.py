@@ -41,7 +41,8 @@ def rendered_tokens(tmp_path_factory, local_weights):
 @pytest.fixture(scope="module")
 def short_rendered_tokens(tmp_path_factory, local_weights):
     """The same 4 chorales cut at 4 s, tokenized: one 4 s segment each. The study's probes take every frame
-    (1200 here, 4200 of the 14 s cut), so its test probes these."""
+    (1200 here, 4200 of the 14 s cut), so its test probes these; so do the probe tests where the amount of
+    audio is not the point (``data=``: the 14 s run probes these instead of its own data)."""
     return _rendered_and_tokenized(tmp_path_factory.mktemp("probe_short"), local_weights, 4)
 
 
@@ -295,12 +296,13 @@ def test_held_out_tracks_never_reach_the_probe_that_scores_them():
     assert (leaky.predict(x).argmax(1) == y).all()
 
 
-def test_probe_is_deterministic_given_the_seed(trained_run):
+def test_probe_is_deterministic_given_the_seed(trained_run, short_rendered_tokens):
     """Two probe runs with the same seed and no cache (features extracted again, random init drawn
     again, the L2 penalty chosen again) give the same results, to the bit; another seed draws another
     random init and deals the tracks into other folds."""
     kwargs = dict(tasks=["pitch", "key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
-                  progress=False, write=False, use_cache=False, l2_grid=[1e-1, 1e-3])  # two to choose from
+                  progress=False, write=False, use_cache=False, l2_grid=[1e-1, 1e-3],  # two to choose from
+                  data=str(short_rendered_tokens[1]))  # the 4 s cut of the same tracks: 16 s of audio, not 56
     a, b = (probe.probe_run(trained_run, seed=0, **kwargs) for _ in range(2))
     assert a["results"] == b["results"] and a["fold_tracks"] == b["fold_tracks"]
     first = probe_data.random_init_model(trained_run, seed=0).module.state_dict()
@@ -310,7 +312,8 @@ def test_probe_is_deterministic_given_the_seed(trained_run):
                                                                         probe_data.folds_of_tracks(4, 3, 1)]
 
 
-def test_random_init_features_are_shared_by_runs_of_one_architecture(trained_run, tmp_path, monkeypatch):
+def test_random_init_features_are_shared_by_runs_of_one_architecture(trained_run, short_rendered_tokens, tmp_path,
+                                                                     monkeypatch):
     """A run beside one already probed reads that run's cached random-init features (same architecture,
     probe seed and data) and extracts only its own model's; another probe seed, or another architecture,
     extracts its random init again."""
@@ -319,7 +322,8 @@ def test_random_init_features_are_shared_by_runs_of_one_architecture(trained_run
     for d in (first, second):
         shutil.copytree(trained_run, d, ignore=shutil.ignore_patterns("probe"))
     kwargs = dict(tasks=["key"], layers=[2], baselines=["random_init"], folds=3, frame_stride=10,
-                  progress=False, write=False, l2_grid=[0.01])  # one penalty: no choosing, a fifth of the fits
+                  progress=False, write=False, l2_grid=[0.01],  # one penalty: no choosing, a fifth of the fits
+                  data=str(short_rendered_tokens[1]))  # the 4 s cut of the same tracks: 16 s of audio, not 56
     done = probe.probe_run(first, **kwargs)
     extracted: list[str] = []
     real = probe_data._extract
@@ -355,6 +359,29 @@ def test_probe_names_missing_or_mismatched_labels(trained_run, rendered_tokens, 
     (other / "corpus.json").unlink()  # no config to compare: the tracks themselves do not match
     with pytest.raises(KeyError, match="has no labels for track '000_"):
         probe_data.load_probe_data(trained_run, labels=other)
+
+
+def test_class_scorer_gives_class_metrics_of_every_resample_to_the_bit():
+    """class_scorer (per-item hits and per-track predictions computed once) scores the whole data and each
+    bootstrap resample of whole tracks exactly as class_metrics on the gathered logits does, for keys
+    (with MIREX) and instruments."""
+    rng = np.random.default_rng(0)
+    item_track = np.repeat(np.arange(9), rng.integers(1, 6, 9))
+    y = torch.from_numpy(rng.integers(0, 24, 9)[item_track])
+    logits = torch.from_numpy(rng.normal(size=(len(y), 24)).astype(np.float32))
+    logits[torch.arange(len(y)), y] += 1.5  # some items and tracks right, some wrong
+    for key in (True, False):
+        fast = probe_fit.class_scorer(logits, y, item_track, key)
+        seen: list[dict] = []
+
+        def both(items, groups, key=key, fast=fast, seen=seen):
+            seen.append(probe_fit.class_metrics(logits[items], y[items], groups, key))
+            assert fast(items, groups) == seen[-1]
+            return seen[-1]
+
+        assert both(np.arange(len(y)), item_track)["accuracy"] >= 0
+        probe_fit.bootstrap(both, item_track, seed=0, resamples=50)
+        assert len({d["track_accuracy"] for d in seen}) > 1 and ("mirex" in seen[0]) == key  # resamples differ
 
 
 def test_average_precision_and_mirex_score():

@@ -61,8 +61,9 @@ from musiclm_stab.analysis.probe_data import (
 from musiclm_stab.analysis.probe_fit import (
     L2_GRID,
     Task,
-    bootstrap,
-    class_metrics,
+    bootstrap_draws,
+    bootstrap_interval,
+    class_scorer,
     cross_validate,
     pitch_metrics,
 )
@@ -92,25 +93,27 @@ def _task_items(name: str, data: ProbeData, fs: FeatureSet, layer: int):
             Task(name, "multiclass", len(KEY_NAMES) if name == "key" else len(GM_FAMILIES)))
 
 
-def _scorer(name: str, logits: torch.Tensor, y: torch.Tensor):
+def _scorer(name: str, logits: torch.Tensor, y: torch.Tensor, item_track: np.ndarray):
     """``metric(items, groups) -> scores`` of a task's out-of-fold logits on the items given by index
-    (``bootstrap``'s form; an item listed twice counts twice)."""
-    if name == "pitch":
-        order = torch.argsort(logits, dim=0, descending=True, stable=True)  # once: resamples reweight items
+    (``bootstrap_draws``' form, whole tracks per group; an item listed twice counts twice)."""
+    if name != "pitch":
+        return class_scorer(logits, y, item_track, key=name == "key")
+    order = torch.argsort(logits, dim=0, descending=True, stable=True)  # once: resamples reweight items
 
-        def metric(items, groups):
-            return pitch_metrics(logits, y, torch.bincount(torch.from_numpy(items), minlength=len(y)), order)
-    else:
-        def metric(items, groups):
-            return class_metrics(logits[items], y[items], groups, key=name == "key")
+    def metric(items, groups):
+        return pitch_metrics(logits, y, torch.bincount(torch.from_numpy(items), minlength=len(y)), order)
     return metric
 
 
-def _score(name: str, logits: torch.Tensor, y: torch.Tensor, item_track: np.ndarray, seed: int) -> dict:
-    metric = _scorer(name, logits, y)
+def _score(name: str, logits: torch.Tensor, y: torch.Tensor, item_track: np.ndarray, seed: int
+           ) -> tuple[dict, list[float]]:
+    """The task's scores with their 95% intervals, and the primary metric's resampled values (the paired
+    difference to another feature set's probe of the same items subtracts them draw by draw)."""
+    metric = _scorer(name, logits, y, item_track)
     out = metric(np.arange(len(y)), item_track)
-    out["ci95"] = bootstrap(metric, item_track, seed)
-    return out
+    draws = bootstrap_draws(metric, item_track, seed)
+    out["ci95"] = {m: bootstrap_interval(v) for m, v in draws.items()}
+    return out, draws[PRIMARY[name]]
 
 
 def probe_features(data: ProbeData, sets: dict[str, FeatureSet], tasks: Sequence[str], folds: int, seed: int,
@@ -119,56 +122,43 @@ def probe_features(data: ProbeData, sets: dict[str, FeatureSet], tasks: Sequence
     fold_idx = folds_of_tracks(len(data.tracks), folds, seed)
     jobs = [(n, layer, t) for n, fs in sets.items() for layer in fs.frames for t in tasks]
     results: dict = {}
-    kept: dict = {}  # (name, layer, task) -> (out-of-fold logits, targets, item tracks) of model and random init
+    kept: dict = {}  # (name, layer, task) -> the primary metric's resampled values, of model and random init
     with one_thread():
         for n, layer, t in tqdm(jobs, desc="probes", unit="probe", disable=not progress):
-            out = _probe_one(data, sets, n, layer, t, fold_idx, seed, results, tuple(l2_grid))
+            draws = _probe_one(data, sets, n, layer, t, fold_idx, seed, results, tuple(l2_grid))
             if n in ("model", "random_init"):
-                kept[n, layer, t] = out
-        for (n, layer, t), (logits, y, item_track) in kept.items():
+                kept[n, layer, t] = draws
+        for (n, layer, t), draws in kept.items():
             other = kept.get(("random_init", layer, t))
             if n == "model" and other is not None:
-                results[n][str(layer)][t]["vs_random_init"] = paired_difference(
-                    t, (logits, other[0]), y, item_track, seed)
+                scores = results[n][str(layer)][t], results["random_init"][str(layer)][t]
+                results[n][str(layer)][t]["vs_random_init"] = paired_difference(t, scores, (draws, other))
     return results, [[data.tracks[i] for i in f] for f in fold_idx]
 
 
-def paired_difference(name: str, logits: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor,
-                      item_track: np.ndarray, seed: int) -> dict:
-    """The primary metric of the first logits minus that of the second, on the same items, with a 95%
-    interval from resampling the tracks (the same draws for both, so the interval is of the difference
-    itself, narrower than the two separate intervals suggest): {"diff", "ci95": [lo, hi],
-    "share_above_zero" (of the resamples)}."""
+def paired_difference(name: str, scores: tuple[dict, dict], draws: tuple[list[float], list[float]]) -> dict:
+    """The primary metric of the first probe's scores minus that of the second's, on the same items, with a
+    95% interval from resampling the tracks (the same draws for both, ``_score``'s resampled values, so the
+    interval is of the difference itself, narrower than the two separate intervals suggest): {"diff",
+    "ci95": [lo, hi], "share_above_zero" (of the resamples)}."""
     metric = PRIMARY[name]
-    scorers = [_scorer(name, z, y) for z in logits]
-
-    def diff(items, groups):
-        return {"diff": scorers[0](items, groups)[metric] - scorers[1](items, groups)[metric]}
-
-    draws: list[float] = []
-
-    def recorded(items, groups):
-        out = diff(items, groups)
-        draws.append(out["diff"])
-        return out
-
-    ci = bootstrap(recorded, item_track, seed)["diff"]
-    return {"metric": metric, "diff": diff(np.arange(len(y)), item_track)["diff"], "ci95": ci,
-            "share_above_zero": float(np.mean(np.array(draws) > 0))}
+    diffs = [a - b for a, b in zip(*draws, strict=True)]
+    return {"metric": metric, "diff": scores[0][metric] - scores[1][metric], "ci95": bootstrap_interval(diffs),
+            "share_above_zero": float(np.mean(np.array(diffs) > 0))}
 
 
 def _probe_one(data: ProbeData, sets: dict[str, FeatureSet], n: str, layer: int, t: str,
                fold_idx: list[np.ndarray], seed: int, results: dict, l2_grid: tuple[float, ...] = L2_GRID
-               ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """Cross-validate one probe and put its scores into ``results[n][str(layer)][t]``; return its
-    out-of-fold logits, targets and item tracks."""
+               ) -> list[float]:
+    """Cross-validate one probe and put its scores into ``results[n][str(layer)][t]``; return its primary
+    metric's resampled values (``_score``)."""
     x, y, item_track, task = _task_items(t, data, sets[n], layer)
     codes_dim = sets[n].codes_dim if t == "pitch" else 0  # segments of codes are dense histograms
     logits, l2 = cross_validate(x, y, item_track, fold_idx, task, codes_dim, l2_grid)
-    scores = _score(t, logits, y, item_track, seed)
+    scores, draws = _score(t, logits, y, item_track, seed)
     scores.update(l2=l2, items=len(y), tracks=len(np.unique(item_track)))
     results.setdefault(n, {}).setdefault(str(layer), {})[t] = scores
-    return logits, y, item_track
+    return draws
 
 
 def probe_run(run_dir: str | Path, *, tasks: Sequence[str] = TASKS, layers: Sequence[int] | None = None,

@@ -211,11 +211,39 @@ def class_metrics(logits: torch.Tensor, labels: torch.Tensor, item_track: np.nda
     return out
 
 
-def bootstrap(metric: Callable[[np.ndarray, np.ndarray], dict[str, float]], item_track: np.ndarray, seed: int,
-              resamples: int = BOOTSTRAP) -> dict[str, list[float]]:
-    """95% percentile intervals of each metric over ``resamples`` resamplings of the tracks (with
-    replacement). ``metric(items, groups)`` scores the items given by index; ``groups`` [len(items)] tells
-    the draws apart, so a track drawn twice counts as two tracks."""
+def class_scorer(logits: torch.Tensor, labels: torch.Tensor, item_track: np.ndarray, key: bool
+                 ) -> Callable[[np.ndarray, np.ndarray], dict[str, float]]:
+    """``metric(items, groups)``: ``class_metrics(logits[items], labels[items], groups, key)`` where each
+    group is the whole of one track of ``item_track`` (``bootstrap``'s resamples, or ``item_track`` itself),
+    to the bit, from per-item hits and per-track predictions computed once: a resample only gathers them.
+    (The per-row log-softmax and a track's summed rows are the same numbers whichever rows come along.)"""
+    pred = logits.argmax(1).numpy()
+    truth = labels.numpy()
+    correct = pred == truth
+    mirex = mirex_key_score(pred, truth) if key else None
+    logp = torch.log_softmax(logits, 1)
+    track_hit = np.zeros(int(item_track.max(initial=-1)) + 1, dtype=bool)
+    for t in np.unique(item_track):
+        sel = torch.from_numpy(item_track == t)
+        track_hit[t] = int(logp[sel].sum(0).argmax()) == int(labels[sel][0])
+
+    def metric(items: np.ndarray, groups: np.ndarray) -> dict[str, float]:
+        out = {"accuracy": float(correct[items].mean())}
+        if mirex is not None:
+            out["mirex"] = float(mirex[items].mean())
+        _, first = np.unique(groups, return_index=True)  # each group's track: that of its first item
+        out["track_accuracy"] = float(np.mean(track_hit[item_track[items[first]]]))
+        return out
+    return metric
+
+
+def bootstrap_draws(metric: Callable[[np.ndarray, np.ndarray], dict[str, float]], item_track: np.ndarray,
+                    seed: int, resamples: int = BOOTSTRAP) -> dict[str, list[float]]:
+    """Each metric on each of ``resamples`` resamplings of the tracks (with replacement), in draw order.
+    ``metric(items, groups)`` scores the items given by index; ``groups`` [len(items)] tells the draws
+    apart, so a track drawn twice counts as two tracks. The draws depend only on ``item_track`` and
+    ``seed``: two metrics of the same items are resampled alike (``bootstrap_interval`` of their difference
+    per draw is a paired interval)."""
     tracks = np.unique(item_track)
     items_of = {t: np.flatnonzero(item_track == t) for t in tracks}
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xB007]))
@@ -226,4 +254,16 @@ def bootstrap(metric: Callable[[np.ndarray, np.ndarray], dict[str, float]], item
         groups = np.concatenate([np.full(len(items_of[t]), i) for i, t in enumerate(drawn)])
         for name, v in metric(items, groups).items():
             values.setdefault(name, []).append(v)
-    return {name: [float(np.nanpercentile(v, 2.5)), float(np.nanpercentile(v, 97.5))] for name, v in values.items()}
+    return values
+
+
+def bootstrap_interval(draws: list[float]) -> list[float]:
+    """The 95% percentile interval [lo, hi] of a metric's resampled values (NaN draws left out)."""
+    return [float(np.nanpercentile(draws, 2.5)), float(np.nanpercentile(draws, 97.5))]
+
+
+def bootstrap(metric: Callable[[np.ndarray, np.ndarray], dict[str, float]], item_track: np.ndarray, seed: int,
+              resamples: int = BOOTSTRAP) -> dict[str, list[float]]:
+    """95% percentile intervals of each metric over ``resamples`` resamplings of the tracks
+    (``bootstrap_draws``)."""
+    return {name: bootstrap_interval(v) for name, v in bootstrap_draws(metric, item_track, seed, resamples).items()}
