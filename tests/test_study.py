@@ -290,18 +290,19 @@ def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_datas
     from musiclm_stab.analysis.runs import read_run
 
     # a loss scale of 2^24 (the largest allowed) overflows fp16 at once (the musical MSE's gradient is scale x
-    # masked frames); halved once, it is at the floor. An overflowed update is no update (fairseq): the runs
-    # diverge before their first step, at step 0
+    # masked frames); halved once, it is at the floor. An overflowed update is no update (fairseq): the run
+    # diverges before its first step, at step 0. One run: a launch that exits 1 either stops the study (raises
+    # here) or is read as a result, and a second such run would take the same branch again.
     diverging = TINY + ["train.mixed_precision=fp16", f"train.fp16_init_scale={2**24}",
                         f"train.fp16_min_loss_scale={2**23}"]
     study = plan_study("gpu", tmp_path, tokenized_dataset, steps=3, extra=diverging, lrs=(1e-3,), control=False,
-                       only=("study_prenorm_clip1_run2", "study_prenorm_clip10_run1"))
-    run_study(study, jobs=1, formats=("png",))  # drawn: runs that diverged at step 0 are curves to draw too
+                       only=("study_prenorm_clip1_run2",))
+    assert len(study.runs) == 1
+    run_study(study, jobs=1, formats=("png",))  # drawn: a run that diverged at step 0 is a curve to draw too
     out = capsys.readouterr().out
-    for run in study.runs:
-        assert read_run(run.config().run_dir).diverged_at == 0
+    assert read_run(study.runs[0].config().run_dir).diverged_at == 0
     summary = json.loads((study.figures_dir / "summary.json").read_text())
-    assert [r["diverged_at"] for r in summary] == [0, 0], out[-2000:]
+    assert [r["diverged_at"] for r in summary] == [0], out[-2000:]
 
 
 @pytest.mark.slow
