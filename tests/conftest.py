@@ -1,12 +1,14 @@
 """Shared test fixtures: synthetic music, one small set of fitted EnCodec weights, one tokenized dataset.
 
 ``local_weights`` and ``tokenized_dataset`` are session-scoped and used across the test suite
-(tokenizer, training loader, end-to-end tests): keep their names and return types.
+(tokenizer, training loader, end-to-end tests): keep their names and return types. Each is built once per
+test session, also under pytest-xdist (``built_once``), so no test may change what they hold.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,38 +61,73 @@ def make_music() -> Callable[..., np.ndarray]:
     return synth_music
 
 
-@pytest.fixture(scope="session")
-def local_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """EnCodec weights with codebooks fitted on 24 s of synthetic music (seed 0); path to the file."""
+# what a shared fixture's folder holds once its build finished: written last, so a folder without it is a build
+# that failed or was killed half-way, never reused
+COMPLETE = ".complete"
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """Folder ``name``, made by ``build(folder)`` once per test session and shared by the session's xdist workers.
+
+    Each worker would otherwise build it again (the xdist docs' "Making session-scoped fixtures execute only
+    once"): the first worker to take the lock builds it in the folder the workers share, the others wait and
+    reuse it. The folder is built where it stays, because what it holds names absolute paths (the tokenizer's
+    job.json records its source, which a rerun compares); so a build is complete when ``COMPLETE`` is in it,
+    written last, and a folder without it (a build that raised or was killed: the lock goes with the process)
+    is deleted and built again. Without xdist the folder is this session's own. Users must not change it.
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: .../pytest-N/popen-gwK
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (folder / COMPLETE).exists():
+            if folder.exists():
+                shutil.rmtree(folder)  # a build of this session that did not finish: its debris
+            folder.mkdir()
+            build(folder)
+            (folder / COMPLETE).write_text(f"built by pid {os.getpid()}\n")
+    return folder
+
+
+def _fit_weights(root: Path) -> None:
     from musiclm_stab.tokenizer.fit import make_local_weights
 
-    root = tmp_path_factory.mktemp("weights")
     audio = root / "audio"
     audio.mkdir()
     for i in range(4):
         sf.write(audio / f"fit_{i}.wav", synth_music(6.0, seed=100 + i), SR)
-    out = root / "encodec_local.th"
-    make_local_weights(sorted(audio.glob("*.wav")), out, seed=0, max_seconds=60, iters=8, progress=False)
-    return out
+    make_local_weights(sorted(audio.glob("*.wav")), root / "encodec_local.th", seed=0, max_seconds=60, iters=8,
+                       progress=False)
+
+
+@pytest.fixture(scope="session")
+def local_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EnCodec weights with codebooks fitted on 24 s of synthetic music (seed 0); path to the file.
+
+    Built once per session (``built_once``): read it, never write beside it."""
+    return built_once(tmp_path_factory, "weights", _fit_weights) / "encodec_local.th"
 
 
 @pytest.fixture(scope="session")
 def tokenized_dataset(tmp_path_factory: pytest.TempPathFactory, local_weights: Path) -> Path:
     """3 tracks x 12 s of synthetic music tokenized with ``local_weights`` (10 s segments): its path.
 
-    Each track gives a 10 s segment and a 2 s tail: 6 rows.
+    Each track gives a 10 s segment and a 2 s tail: 6 rows. Built once per session (``built_once``): a test
+    that writes into it (a rerun of the tokenizer, a restore) works on a copy.
     """
-    from musiclm_stab.tokenizer.pipeline import tokenize
+    def build(root: Path) -> None:
+        from musiclm_stab.tokenizer.pipeline import tokenize
 
-    root = tmp_path_factory.mktemp("tokenized")
-    src = root / "audio"
-    src.mkdir()
-    for i in range(3):
-        sf.write(src / f"track_{i}.wav", synth_music(12.0, seed=200 + i), SR)
-    out = root / "tokens"
-    tokenize(src, out, weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0, progress=False,
-             weights_note="test weights fitted on synthetic music", workers=0)
-    return out
+        src = root / "audio"
+        src.mkdir()
+        for i in range(3):
+            sf.write(src / f"track_{i}.wav", synth_music(12.0, seed=200 + i), SR)
+        tokenize(src, root / "tokens", weights=str(local_weights), segment_seconds=10.0, min_seconds=1.0,
+                 progress=False, weights_note="test weights fitted on synthetic music", workers=0)
+
+    return built_once(tmp_path_factory, "tokenized", build) / "tokens"
 
 
 def write_codes_file(saved: dict, path: Path, change: Callable[[dict, dict], None]) -> None:
@@ -119,8 +156,6 @@ def other_machine_tokens(tokenized_dataset: Path, tmp_path: Path) -> tuple[Path,
     """(codes file of ``tokenized_dataset``, a copy of it whose codes differ in 3 places in 2 rows), as another
     CPU's tokenizing of the same audio would differ. The copy is made by restoring an edited codes file whose
     header names another sha256, which the restore refuses after writing (its last check)."""
-    import shutil
-
     from musiclm_stab.data.codes_file import read_codes, restore_codes, save_codes
 
     original = tmp_path / "original.npz.xz"

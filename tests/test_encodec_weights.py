@@ -117,7 +117,7 @@ def test_fitted_codebooks_give_many_distinct_codes(local_weights, make_music):
     assert min(distinct) >= 20, distinct
 
 
-def test_made_weights_are_the_same_bytes_on_every_cpu(local_weights):
+def test_made_weights_are_the_same_bytes_on_every_cpu(local_weights, tmp_path):
     """make-weights gives the same file with the plainest CPU kernels in 2 worker processes as the session
     fixture made in-process with this CPU's best kernels (ATEN_CPU_CAPABILITY unset) and torch's threads."""
     audio = sorted((local_weights.parent / "audio").glob("*.wav"))
@@ -128,7 +128,7 @@ def test_made_weights_are_the_same_bytes_on_every_cpu(local_weights):
         "    make_local_weights(sys.argv[2:], sys.argv[1], seed=0, max_seconds=60, iters=8, progress=False,\n"
         "                       workers=2)\n"
     )
-    out = local_weights.parent / "plain_cpu.th"
+    out = tmp_path / "plain_cpu.th"  # not beside local_weights: the session's workers share that folder
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     subprocess.run([sys.executable, "-c", script, str(out), *map(str, audio)], env=env, check=True, timeout=600)
     assert out.read_bytes() == local_weights.read_bytes()

@@ -237,28 +237,28 @@ def test_output_folder_is_protected(tmp_path, tokenized_dataset, local_weights):
     """Rerunning the same job on a finished output does nothing; other settings are refused with the
     difference named; overwrite=True replaces it; a folder that is not an output is never touched."""
     src = tokenized_dataset.parent / "audio"
-    before = (tokenized_dataset / "tokenizer.json").read_text()
-    again = tokenize(src, tokenized_dataset, weights=str(local_weights), progress=False, workers=0)
+    finished = tmp_path / "finished"  # a copy: the session's workers share the fixture's folder
+    shutil.copytree(tokenized_dataset, finished)
+    before = (finished / "tokenizer.json").read_text()
+    again = tokenize(src, finished, weights=str(local_weights), progress=False, workers=0)
     assert (again.num_rows, again.seconds_this_run, again.units_done_before) == (6, 0.0, 1)
-    assert (tokenized_dataset / "tokenizer.json").read_text() == before  # untouched
+    assert (finished / "tokenizer.json").read_text() == before  # untouched
     with pytest.raises(OutputMismatch, match=r"settings.segment_samples: 240000 \(existing output\) != 120000"):
-        tokenize(src, tokenized_dataset, weights=str(local_weights), segment_seconds=5.0, progress=False, workers=0)
+        tokenize(src, finished, weights=str(local_weights), segment_seconds=5.0, progress=False, workers=0)
     with pytest.raises(OutputMismatch, match="(?s)settings.silence: 'skip'.*'keep'.*--overwrite"):
-        tokenize(src, tokenized_dataset, weights=str(local_weights), silence="keep", progress=False, workers=0)
+        tokenize(src, finished, weights=str(local_weights), silence="keep", progress=False, workers=0)
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "thesis.tex").write_text("...")
     for overwrite in (False, True):
         with pytest.raises(FileExistsError, match="does not look like a tokenized dataset"):
             tokenize(src, tmp_path / "precious", weights=str(local_weights), overwrite=overwrite)
     assert (tmp_path / "precious" / "thesis.tex").exists()
-    copy = tmp_path / "copy"
-    shutil.copytree(tokenized_dataset, copy)
     one = tmp_path / "one_track"  # one of the tracks (12 s): what it replaces the output with
     one.mkdir()
     shutil.copy(src / "track_0.wav", one)
-    summary = tokenize(one, copy, weights=str(local_weights), segment_seconds=6.0, overwrite=True, progress=False,
+    summary = tokenize(one, finished, weights=str(local_weights), segment_seconds=6.0, overwrite=True, progress=False,
                        workers=0)
-    ds, meta = load_tokenized(copy)
+    ds, meta = load_tokenized(finished)
     assert summary.num_rows == 2 and meta["segment_seconds"] == 6.0
     assert ds["id"] == ["track_0.wav@0", "track_0.wav@144000"]  # none of the output it replaced
 
