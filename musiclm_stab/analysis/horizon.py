@@ -24,7 +24,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,23 +151,29 @@ def markdown(h: Horizon, unigram_eval_cb0: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.horizon",
-                                description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
+def rule_cli(prog: str, doc: str, apply: Callable, show: Callable, plain: Callable, argv: list[str] | None) -> int:
+    """The command of a study rule on run directories (this calibration rule, pilot_rule's): ``apply(run_dirs,
+    unigram)`` its result, ``show(result, unigram)`` its markdown, ``plain(result)`` its JSON; exit 2 with one line
+    when the rule refuses."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or folders to search for them")
     p.add_argument("--unigram", type=float, required=True, metavar="BITS",
                    help="held-out codebook-0 CE of the unigram model (bits)")
     p.add_argument("--json", metavar="FILE", help="also write every number here")
     args = p.parse_args(argv)
     try:
-        h = choose_horizon(args.run_dirs, args.unigram)
+        result = apply(args.run_dirs, args.unigram)
     except (FileNotFoundError, ValueError) as e:
-        print(f"horizon: error: {e}", file=sys.stderr)
+        print(f"{prog.rsplit('.', 1)[-1]}: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        Path(args.json).write_text(json.dumps({"unigram_eval_cb0": args.unigram, **_plain(h)}, indent=2) + "\n")
-    print(markdown(h, args.unigram), end="")
+        Path(args.json).write_text(json.dumps({"unigram_eval_cb0": args.unigram, **plain(result)}, indent=2) + "\n")
+    print(show(result, args.unigram), end="")
     return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    return rule_cli("python -m musiclm_stab.analysis.horizon", __doc__, choose_horizon, markdown, _plain, argv)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ chosen.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -31,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from musiclm_stab.analysis.claims import read_runs
+from musiclm_stab.analysis.horizon import rule_cli
 from musiclm_stab.analysis.learning import (
     CLAIMS,
     CLAIMS_LAYERS,
@@ -162,22 +161,7 @@ def _plain(d: PilotDecision) -> dict:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m musiclm_stab.analysis.pilot_rule",
-                                description=__doc__.split("\n\n")[0], epilog="Reference: docs/STUDY.md")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or folders to search for them")
-    p.add_argument("--unigram", type=float, required=True, metavar="BITS",
-                   help="held-out codebook-0 CE of the unigram model (bits)")
-    p.add_argument("--json", metavar="FILE", help="also write every number here")
-    args = p.parse_args(argv)
-    try:
-        d = apply_rule(args.run_dirs, args.unigram)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"pilot_rule: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        Path(args.json).write_text(json.dumps({"unigram_eval_cb0": args.unigram, **_plain(d)}, indent=2) + "\n")
-    print(markdown(d, args.unigram), end="")
-    return 0
+    return rule_cli("python -m musiclm_stab.analysis.pilot_rule", __doc__, apply_rule, markdown, _plain, argv)
 
 
 if __name__ == "__main__":
