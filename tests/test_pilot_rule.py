@@ -127,3 +127,17 @@ def test_a_run_still_going_or_two_blocks_are_refused(tmp_path, capsys):
     write_setting(tmp_path / "b", 0.2, seed=302)
     with pytest.raises(ValueError, match=r"one block \(seed\); these runs are of seeds \[301, 302\]"):
         apply_rule([tmp_path / "b"], UNIGRAM)
+
+
+def test_runs_without_a_control_pilot_name_the_first_pilots_and_no_seed(tmp_path, capsys):
+    """A folder whose runs are none of the control's (here one at lr 5e-2, in no arm): no block, so no seed to
+    name; the rule asks for the four pilots at L and prints no empty table."""
+    write_cell(tmp_path, "pre_w", 9.0, lr=0.05)
+    d = apply_rule([tmp_path], UNIGRAM)
+    assert (d.step, d.seed, d.cells) == (None, None, {})
+    assert (d.needs["layers"], d.needs["lr"]) == (8, learning_params.L)
+    assert cli_main([str(tmp_path), "--unigram", str(UNIGRAM)]) == 0
+    out = capsys.readouterr().out
+    assert "seed" not in out and "| layers |" not in out
+    assert out.startswith("No pilot of the positive control is in yet. Not chosen yet: the rule needs the pilots at "
+                          "8 layers, lr 3e-3"), out

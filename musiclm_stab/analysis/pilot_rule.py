@@ -53,7 +53,7 @@ class PilotDecision:
     layers: int | None  # CONTROL_LAYERS (None until chosen)
     lr: float | None  # CONTROL_LR (None until chosen)
     no_sign: bool  # step 4: the pilots showed no sign of the effect
-    seed: int  # the pilots' block
+    seed: int | None  # the pilots' block (None: no pilot of the control is in yet)
     interactions: dict[str, float] = field(default_factory=dict)  # "layers lr" -> bits, the settings piloted
     cells: dict[str, dict[str, float]] = field(default_factory=dict)  # "layers lr" -> cell -> score, bits
     failed: dict[str, dict[str, int]] = field(default_factory=dict)  # "layers lr" -> cell -> 1 if it failed
@@ -90,7 +90,7 @@ def apply_rule(run_dirs: Sequence[str | Path | RunMetrics], unigram_eval_cb0: fl
     blocks = arm_blocks(found, CLAIMS)
     if len(blocks) > 1:
         raise ValueError(f"the pilots are one block (seed); these runs are of seeds {sorted(blocks)}")
-    seed = next(iter(blocks), -1)
+    seed = next(iter(blocks), None)
     decision = PilotDecision(step=None, layers=None, lr=None, no_sign=False, seed=seed)
 
     def interaction(layers: int, lr: float) -> float | None:
@@ -129,6 +129,8 @@ def apply_rule(run_dirs: Sequence[str | Path | RunMetrics], unigram_eval_cb0: fl
 
 def markdown(d: PilotDecision, unigram_eval_cb0: float) -> str:
     """The pilots' cells and interactions per setting, and what the rule chose or needs."""
+    if not d.cells:
+        return "No pilot of the positive control is in yet. " + _needs(d) + "\n"
     lines = [f"The positive control's pilots (seed {d.seed}): final held-out codebook-0 loss minus the unigram level "
              f"({unigram_eval_cb0:.3f} bits), bits (a failed run at its loss at initialisation); the interaction is "
              "(Post-LN no warmup - warmup) - (Pre-LN no warmup - warmup).", "",
@@ -141,10 +143,7 @@ def markdown(d: PilotDecision, unigram_eval_cb0: float) -> str:
         lines.append(f"| {layers} | {lr} | " + " | ".join(shown) + f" | {d.interactions[key]:+.3f} |")
     lines.append("")
     if d.step is None:
-        at = f"{d.needs['layers']}:{lr_text(d.needs['lr'])}"
-        lines.append(f"Not chosen yet: the rule needs the pilots at {d.needs['layers']} layers, lr {lr_text(d.needs['lr'])}"
-                     f" (roles {', '.join(d.needs['roles'].values())}): the pilots' study command with "
-                     f"`--only {' '.join(control_roles().values())} --control-at {at}`.")
+        lines.append(_needs(d))
     else:
         lines.append(f"**Rule step {d.step}: CONTROL_LAYERS = {d.layers}, CONTROL_LR = {lr_text(d.lr)}** "
                      f"(an interaction of at least {PILOT_MARGIN:g} bits chooses a setting).")
@@ -152,6 +151,13 @@ def markdown(d: PilotDecision, unigram_eval_cb0: float) -> str:
             lines.append("No setting reached it: the plan says before its runs that the pilots showed no sign of "
                          "the effect.")
     return "\n".join(lines) + "\n"
+
+
+def _needs(d: PilotDecision) -> str:
+    at = f"{d.needs['layers']}:{lr_text(d.needs['lr'])}"
+    return (f"Not chosen yet: the rule needs the pilots at {d.needs['layers']} layers, lr {lr_text(d.needs['lr'])} "
+            f"(roles {', '.join(d.needs['roles'].values())}): the pilots' study command with "
+            f"`--only {' '.join(control_roles().values())} --control-at {at}`.")
 
 
 def _plain(d: PilotDecision) -> dict:
