@@ -88,11 +88,11 @@ def test_make_config_takes_recipe_names_paths_and_settings(tmp_path):
         musiclm_stab.train(cfg, {"train.max_steps": 1})
 
 
-def _write_songs(folder: Path, make_music, count: int) -> None:
-    """``count`` tracks of 6 s (one 10 s-segment's worth each): song.wav, then track_1.wav, ..."""
+def _write_songs(folder: Path, make_music, count: int, seconds: float) -> None:
+    """``count`` tracks of ``seconds`` (under 10 s: one segment each): song.wav, then track_1.wav, ..."""
     folder.mkdir()
     for i in range(count):
-        sf.write(folder / ("song.wav" if i == 0 else f"track_{i}.wav"), make_music(6.0, seed=300 + i), 24_000)
+        sf.write(folder / ("song.wav" if i == 0 else f"track_{i}.wav"), make_music(seconds, seed=300 + i), 24_000)
 
 
 @pytest.mark.slow
@@ -102,7 +102,8 @@ def test_readme_example_runs_as_a_file(tmp_path, local_weights, make_music):
     evaluates, takes features and plots, in worker processes and with no warning."""
     blocks = PYTHON_BLOCK.findall((ROOT / "README.md").read_text())
     assert len(blocks) == 1 and "import musiclm_stab as ms" in blocks[0]
-    _write_songs(tmp_path / "audio", make_music, 6)  # 5 to train on (a batch of 4 crops), 1 held out
+    # 4 to train on (the tiny recipe's batch of 4 crops of 5 s), 1 held out (data.eval_fraction 0.1: one track)
+    _write_songs(tmp_path / "audio", make_music, 5, 5.5)
     (tmp_path / "work").mkdir()
     shutil.copy(local_weights, tmp_path / "work" / "encodec_local.pt")
     (tmp_path / "example.py").write_text(blocks[0])
@@ -122,7 +123,7 @@ def test_a_script_without_the_guard_gets_one_warning_not_a_storm(tmp_path, local
     """A script that calls ms.tokenize with two workers at its top level (no `if __name__ == "__main__":`)
     tokenizes all the same, in its own process, and says so in one warning naming its line and the guard:
     no worker runs the script again, no traceback."""
-    _write_songs(tmp_path / "audio", make_music, 2)
+    _write_songs(tmp_path / "audio", make_music, 2, 2.0)
     (tmp_path / "example.py").write_text(
         "import musiclm_stab as ms\n"
         f"summary = ms.tokenize('audio/', 'tokens', weights={str(local_weights)!r}, workers=2)\n"

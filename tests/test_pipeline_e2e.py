@@ -1,9 +1,11 @@
 """End to end through the real entry points: build-corpus -> tokenize -> accelerate launch -> evaluate -> resume.
 
 Nothing of ours is mocked: real chorales rendered to FLAC, real EnCodec (locally fitted weights, since the
-pretrained download is impossible offline), a real HF dataset on disk, real `accelerate launch`. The
-refusals are asked of the same entry points' main functions in this process (the trainer's, which
-accelerate launch runs, and the CLI's): each stops before anything is trained or evaluated.
+pretrained download is impossible offline), a real HF dataset on disk, real `accelerate launch`, the real
+`musiclm-stab` command. The corpus, the tokens, the resume, the reference run it is compared with, and the
+refusals are asked of the same entry points' main functions in this process (the CLI's, and the trainer's,
+which accelerate launch runs): a process each would spend most of its time importing. Each refusal stops
+before anything is trained or evaluated.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def cli_here(argv: list[str], cwd: Path) -> None:
+    """`musiclm-stab ARGV` run by the CLI's main in this process, in ``cwd``; it must succeed."""
+    from musiclm_stab import cli
+
+    with contextlib.chdir(cwd):
+        assert cli.main(argv) == 0, argv
+
+
 def launch_args(tmp: Path, data: Path, name: str, *extra: str) -> list[str]:
     """The trainer's arguments (recipes/pretrain.py's) for run ``name`` of ``data`` under ``tmp``/runs."""
     return ["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}", f"--train.output_dir={tmp / 'runs'}",
@@ -57,45 +67,54 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def tokens(tmp_path_factory, local_weights) -> Path:
     """Three real chorales (7.5 s each) rendered and tokenized through the CLI: 3 rows of 2.5 s per track,
     longer than the 2 s crop (crops are drawn); one track is held out (eval_fraction 0.3), so an epoch is 3
-    batches of 2 and the run stopped at step 4 resumes mid-epoch. Tokenized in the CLI's own process
-    (--workers 0): the one work unit would go to one spawned worker, another process importing torch, and
-    spawned workers are test_api's README example's to prove (and the tokenizer's tests')."""
+    batches of 2 and the run stopped at step 4 resumes mid-epoch. Both commands run by the CLI's main in
+    this process (``cli_here``; `musiclm-stab evaluate` below runs the console script): a process each would
+    spend much of its time importing. Tokenized with --workers 0: the one work unit would go to one spawned
+    worker, another process importing torch, and spawned workers are test_api's README example's to prove
+    (and the tokenizer's tests')."""
     tmp = tmp_path_factory.mktemp("e2e")
-    run(CLI + ["build-corpus", str(tmp / "corpus"), "--num-tracks", "3", "--max-seconds", "7.5"], tmp)
-    run(CLI + ["tokenize", str(tmp / "corpus"), str(tmp / "tokens"), "--weights", str(local_weights),
-               "--segment-seconds", "2.5", "--workers", "0"], tmp)
+    cli_here(["build-corpus", str(tmp / "corpus"), "--num-tracks", "3", "--max-seconds", "7.5"], tmp)
+    cli_here(["tokenize", str(tmp / "corpus"), str(tmp / "tokens"), "--weights", str(local_weights),
+              "--segment-seconds", "2.5", "--workers", "0"], tmp)
     assert (tmp / "tokens" / "failures.jsonl").read_text().strip() == ""
     return tmp / "tokens"
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tokens, tmp_path_factory) -> Path:
-    """An uninterrupted 6-step run of ``tokens``: its directory. Tests only read it. The reference the resumed
-    launch is compared with, so trained in this process by the trainer's main (what accelerate launch runs in
-    test_pretrain_evaluate_resume; a launch would spend most of its time starting), on one intra-op thread as
-    the launched processes (OMP_NUM_THREADS=1)."""
+def train_here(tmp: Path, data: Path, name: str, *extra: str) -> None:
+    """The trainer's main (what accelerate launch runs) in this process, with ``launch``'s arguments, in
+    ``tmp`` as launch runs it and on one intra-op thread as the launched processes (OMP_NUM_THREADS=1); a
+    launch would spend most of its time starting. Accelerate's process-wide state is reset around it."""
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
     from musiclm_stab.training import trainer
 
-    tmp = tmp_path_factory.mktemp("e2e_runs")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
     GradientState._reset_state()
     try:
-        with contextlib.chdir(tmp):  # as launch runs it
-            assert trainer.main(launch_args(tmp, tokens, "b", "--train.max_steps=6")) == 0
+        with contextlib.chdir(tmp):
+            assert trainer.main(launch_args(tmp, data, name, *extra)) == 0
     finally:
         torch.set_num_threads(threads)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tokens, tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run of ``tokens``: its directory. Tests only read it. The reference the resumed
+    run is compared with, trained in this process (``train_here``)."""
+    tmp = tmp_path_factory.mktemp("e2e_runs")
+    train_here(tmp, tokens, "b", "--train.max_steps=6")
     return tmp / "runs" / "b"
 
 
 def test_pretrain_evaluate_resume(tokens, uninterrupted, tmp_path, capsys):
-    """accelerate launch trains and logs every metric, evaluate is deterministic, --resume continues exactly."""
+    """accelerate launch trains and logs every metric, evaluate is deterministic, --resume continues exactly.
+    The launched run (stopped at step 4) is resumed by the trainer's main in this process (``train_here``):
+    from the checkpoint another process wrote, as a launched resume would read it."""
     from musiclm_stab import cli
 
     proc = launch(tmp_path, tokens, "a", "--train.max_steps=6", "--train.stop_at=4")
@@ -126,8 +145,10 @@ def test_pretrain_evaluate_resume(tokens, uninterrupted, tmp_path, capsys):
     assert result["masked_frames"] > 0
 
     # Resume from step 4 to 6, and compare with an uninterrupted run of 6 steps.
-    resumed = launch(tmp_path, tokens, "a", "--train.max_steps=6", "--resume")
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    capsys.readouterr()
+    train_here(tmp_path, tokens, "a", "--train.max_steps=6", "--resume")
+    resumed = capsys.readouterr()
+    assert "resumed from" in resumed.out + resumed.err
     a, b = read_metrics(run_dir), read_metrics(uninterrupted)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a[4:], b[4:]):
