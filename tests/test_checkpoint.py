@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from musiclm_stab.threads import one_thread
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training import trainer as train
 
@@ -40,6 +41,18 @@ def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **popen)
+
+
+def resume_here(data: Path, out: Path, name: str, capsys, *extra: str) -> str:
+    """``--resume`` of run ``name`` to its end in this process (pretrain.py's main, on one intra-op thread as
+    ``start``'s runs), where the test is about what was interrupted, not about how the resume is launched:
+    what it printed. Needs the fresh_accelerate_state fixture."""
+    capsys.readouterr()
+    with one_thread():
+        code = train.main(run_args(data, out, name, *extra, "--resume"))
+    said = capsys.readouterr()
+    assert code == 0, (said.out + said.err)[-4000:]
+    return said.out + said.err
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -102,9 +115,21 @@ def assert_same_metrics(final: dict[int, dict], reference: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def reference_run(tokenized_dataset, tmp_path_factory) -> Path:
-    """An uninterrupted 6-step run (checkpoints at steps 2, 4 and 6): its directory. Tests only read it."""
+    """An uninterrupted 6-step run (checkpoints at steps 2, 4 and 6): its directory. Tests only read it.
+
+    Trained in this process, on one intra-op thread as ``start``'s runs (the runs it is compared with are
+    launched: the tests are about them, not about how the reference is started)."""
+    from accelerate.state import AcceleratorState, GradientState
+
     out = tmp_path_factory.mktemp("ref")
-    finish(start(tokenized_dataset, out, "ref", "--train.max_steps=6"))
+    AcceleratorState._reset_state(True)  # as the fresh_accelerate_state fixture (function-scoped) does
+    GradientState._reset_state()
+    try:
+        with one_thread():
+            assert train.main(run_args(tokenized_dataset, out, "ref", "--train.max_steps=6")) == 0
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
     return out / "ref"
 
 
@@ -114,7 +139,8 @@ def reference(reference_run):
     return rows(reference_run)
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, reference):
+def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, reference, capsys,
+                                                   fresh_accelerate_state):
     """A run killed with SIGKILL after step 3 and resumed logs the same metrics as an uninterrupted run."""
     proc = start(tokenized_dataset, tmp_path, "k", "--train.max_steps=6")
     wait_for_step(proc, tmp_path / "k", 3)
@@ -125,11 +151,12 @@ def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [checkpoint.checkpoint_step(c) for c in checkpoint.list_checkpoints(tmp_path / "k")][-1] >= 2
-    finish(start(tokenized_dataset, tmp_path, "k", "--train.max_steps=6", "--resume"))
+    resume_here(tokenized_dataset, tmp_path, "k", capsys, "--train.max_steps=6")
     assert_same_metrics(final_rows(tmp_path / "k"), reference)
 
 
-def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset, tmp_path, reference):
+def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset, tmp_path, reference, capsys,
+                                                              fresh_accelerate_state):
     """SIGKILL in the middle of a checkpoint write, twice: once when checkpoint 4 is complete but not yet
     renamed, once (in the resumed run) when checkpoint 6's accelerate state is written but has no manifest.
     Each resume removes the partial write with a message, starts from the previous complete checkpoint,
@@ -153,7 +180,7 @@ def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset,
     assert (partial / "model.safetensors").is_file() and not (partial / checkpoint.STATE_FILE).exists()
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
 
-    out = finish(start(tokenized_dataset, tmp_path, "w", "--train.max_steps=6", "--resume"))
+    out = resume_here(tokenized_dataset, tmp_path, "w", capsys, "--train.max_steps=6")
     assert f"removed {partial}" in out and "step_00000004 at step 4" in out, out[-3000:]
     assert [c.name for c in checkpoint.list_checkpoints(run_dir)][-1] == "step_00000006"
     assert not list(ckpts.glob(".tmp-*"))

@@ -173,10 +173,13 @@ def test_make_local_weights_is_reproducible_and_seeded(tmp_path, make_music):
 
 
 def test_max_seconds_limits_the_sample(tmp_path, make_music):
-    """With more audio than max_seconds, only 10 s chunks up to the limit are encoded; [C, S] is refused."""
-    waves = [torch.from_numpy(make_music(12.0, seed=s)) for s in (5, 6)]
-    info = make_local_weights(waves, tmp_path / "w.th", seed=0, max_seconds=10, iters=2, progress=False)
-    assert info["provenance"]["seconds_used"] == 10.0 and info["provenance"]["num_frames"] == 750
+    """With more audio than max_seconds, only whole chunks (chunk_seconds) up to the limit are encoded; [C, S]
+    is refused."""
+    # 2 s chunks (the default 10 s would encode 10 s of audio, ~5 s of CPU, for the same proof): 4 chunks, 2 kept
+    waves = [torch.from_numpy(make_music(4.0, seed=s)) for s in (5, 6)]
+    info = make_local_weights(waves, tmp_path / "w.th", seed=0, max_seconds=5, chunk_seconds=2.0, iters=2,
+                              progress=False)
+    assert info["provenance"]["seconds_used"] == 4.0 and info["provenance"]["num_frames"] == 300
     with pytest.raises(ValueError, match="mono"):
         make_local_weights([torch.zeros(2, 24_000)], tmp_path / "x.th", progress=False)
 
@@ -237,7 +240,7 @@ def test_make_weights_cli(tmp_path, make_music, capsys):
     import soundfile as sf
 
     (tmp_path / "audio").mkdir()
-    sf.write(tmp_path / "audio" / "a.wav", make_music(6.0, seed=7), SR)
+    sf.write(tmp_path / "audio" / "a.wav", make_music(2.0, seed=7), SR)  # short: the encoder costs ~0.5 s a second
     (tmp_path / "audio" / "broken.wav").write_text("no")
     out = tmp_path / "w.th"
     assert cli_main([str(tmp_path / "audio"), str(out), "--max-seconds", "20", "--iters", "2"]) == 0

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_checkpoint import REPO, finish, kill, pause_at, rows, run_args, start, wait_for_file
+from test_checkpoint import REPO, kill, pause_at, resume_here, rows, run_args, start, wait_for_file
 from test_distributed import launch_reporting
 
 from musiclm_stab.training import checkpoint
@@ -70,7 +70,9 @@ def test_a_second_trainer_is_refused_while_the_first_runs_and_accepted_after_kil
             assert rows(run_dir) == logged and partial.is_dir()
     finally:
         kill(a)
-    out = finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
+    # The requeued trainer in this process too: what is proved is that A's lock died with A (held by
+    # another process until its kill -9), not how the trainer is launched
+    out = resume_here(tokenized_dataset, tmp_path, "r", capsys, "--train.max_steps=6")
     assert f"removed {partial}" in out and "step_00000002 at step 2" in out, out[-3000:]
     steps = [r["step"] for r in rows(run_dir)]
     assert steps == [1, 2, 3, 4, 5, 6], steps  # A's rows after its checkpoint 2: moved aside
@@ -225,7 +227,8 @@ def test_a_trainer_is_refused_a_folder_a_tokenizer_is_writing_touching_nothing(t
         holder.communicate()
 
 
-def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_order(tokenized_dataset, tmp_path):
+def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_order(tokenized_dataset, tmp_path,
+                                                                                   capsys, fresh_accelerate_state):
     """The lock bypassed as the issue did it: trainer A is held after update 4 (rows 1-3 written, checkpoint 2
     published), its lock file is deleted, and a `--resume` B locks a new one and trains to step 6. Let go, A
     stops before its next write with exit 2 and one line saying its lock was deleted and why that stops it,
@@ -239,7 +242,9 @@ def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_ord
         wait_for_file(a, marker)
         assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
         (run_dir / LOCK_FILE).unlink()  # "a stale lock file"
-        finish(start(tokenized_dataset, tmp_path, "r", "--train.max_steps=6", "--resume"))
+        # B in this process (A, the trainer whose lock was deleted, is the launched one): it locks the new
+        # file, as any other process would, and releases it when it returns
+        resume_here(tokenized_dataset, tmp_path, "r", capsys, "--train.max_steps=6")
         after_b = (run_dir / "metrics.jsonl").read_bytes()
         published = sorted(c.name for c in checkpoint.list_checkpoints(run_dir))
         marker.unlink()  # A goes on

@@ -106,23 +106,13 @@ def unsplit(long_src, local_weights, tmp_path_factory):
     return out
 
 
-def test_one_long_track_is_shared_out_to_the_workers(long_src, unsplit, local_weights, tmp_path):
-    """One long track, 2 worker processes: it becomes 5 units (pieces), each encoded in a worker process,
-    and the rows equal the unsplit run's. (Which worker gets which piece is the scheduler's choice: a worker
-    still loading its model may get none, so the test does not require two distinct pids.)"""
-    out = tmp_path / "out"
-    s = tokenize(long_src, out, weights=str(local_weights), workers=2, piece_seconds=3.0, **KW)
-    assert _plan(out) == [[0, 1, 0, 6], [0, 1, 6, 12], [0, 1, 12, 18], [0, 1, 18, 24], [0, 1, 24, None]]
-    records = [json.loads(p.read_text()) for p in (out / ".tokenize" / "units").iterdir()]
-    assert s.num_units == len(records) == 5  # old code: one unit, so one process, whatever the workers
-    assert all(r["pid"] != os.getpid() for r in records)
-    _assert_same_rows(_rows(out), _rows(unsplit))
-
-
 def test_kill_9_while_a_long_track_is_in_pieces_then_rerun_equals_unsplit(long_src, unsplit, local_weights,
                                                                           tmp_path):
-    """`musiclm-stab tokenize --piece-seconds 3` killed with SIGKILL after some pieces are committed, then
-    run again (here in this process), ends with the rows of the unsplit run exactly once each."""
+    """One long track, 2 worker processes: it becomes 5 units (pieces), each encoded in a worker process.
+    `musiclm-stab tokenize --workers 2 --piece-seconds 3` killed with SIGKILL after some pieces are
+    committed, then run again (here in this process, with 2 worker processes again), ends with the rows of
+    the unsplit run exactly once each. (Which worker gets which piece is the scheduler's choice: a worker
+    still loading its model may get none, so the test does not require two distinct pids.)"""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "musiclm_stab.cli", "tokenize", str(long_src), str(out), "--weights",
            str(local_weights), "--workers", "2", "--segment-seconds", "0.5", "--min-seconds", "0.1",
@@ -138,8 +128,11 @@ def test_kill_9_while_a_long_track_is_in_pieces_then_rerun_equals_unsplit(long_s
     proc.wait()
     done = len(list(units.glob("u*.json")))
     assert 2 <= done < 5 and not (out / "tokenizer.json").exists()
-    s = tokenize(long_src, out, weights=str(local_weights), workers=0, piece_seconds=3.0, **KW)
-    assert (s.units_done_before, s.num_units) == (done, 5)
+    s = tokenize(long_src, out, weights=str(local_weights), workers=2, piece_seconds=3.0, **KW)
+    assert _plan(out) == [[0, 1, 0, 6], [0, 1, 6, 12], [0, 1, 12, 18], [0, 1, 18, 24], [0, 1, 24, None]]
+    records = [json.loads(p.read_text()) for p in units.glob("u*.json")]
+    assert (s.units_done_before, s.num_units, len(records)) == (done, 5, 5)  # old code: one unit, one process
+    assert all(r["pid"] not in (os.getpid(), proc.pid) for r in records)  # the killed run's workers, then ours
     _assert_same_rows(_rows(out), _rows(unsplit))
 
 

@@ -85,17 +85,19 @@ def _source_frames(encoder: torch.nn.Module, src: str | Path | torch.Tensor, sta
     return frames, hashes, None
 
 
-def _encoder_frames(seed: int, srcs: list, slots: list[tuple[int, int]], chunk: int, skipped: list[dict],
-                    workers: int, progress: bool) -> tuple[list[torch.Tensor], int, str]:
+def _encoder_frames(model: torch.nn.Module, seed: int, srcs: list, slots: list[tuple[int, int]], chunk: int,
+                    skipped: list[dict], workers: int, progress: bool) -> tuple[list[torch.Tensor], int, str]:
     """Float64 encoder frames [T, D] of each (source, start) chunk in ``slots``, in order; the samples
-    used; a sha256 of the 24 kHz float32 audio that went in. ``workers`` processes (0: this one)."""
+    used; a sha256 of the 24 kHz float32 audio that went in. ``workers`` processes (0: this one, with the
+    encoder of ``model``, ``seeded_random_model(seed)``, in float64 for the while: drawing the model costs
+    ~1 s, so a make draws it once; a worker draws its own)."""
     starts: dict[int, list[int]] = {}
     for i, start in slots:
         starts.setdefault(i, []).append(start)
     tasks = [(srcs[i], s, chunk) for i, s in starts.items()]
     bar = tqdm(total=len(slots), desc="encoder frames", unit="chunk", disable=not progress)
     if workers == 0:
-        encoder = seeded_random_model(seed).double().encoder
+        encoder = model.encoder.double()  # back to float32 below: float32 -> float64 -> float32 is exact
         results = (_source_frames(encoder, *task) for task in tasks)
         pool = contextlib.nullcontext()
     else:
@@ -115,6 +117,7 @@ def _encoder_frames(seed: int, srcs: list, slots: list[tuple[int, int]], chunk: 
                 audio_hash.update(digest)
             used_samples += sum(f.shape[0] for f in fr) * HOP_LENGTH
             bar.update(len(task_starts))
+    model.encoder.float()  # the drawn values again (a no-op when the workers drew their own)
     bar.close()
     return frames, used_samples, audio_hash.hexdigest()
 
@@ -183,8 +186,9 @@ def make_local_weights(
         workers = min(os.cpu_count() or 1, len(slots) // 4)
         workers = workers if workers > 1 else 0
     workers = workers_for("make-weights' encoder", workers)  # 0 when spawned workers would rerun the script
-    frames, used_samples, audio_sha256 = _encoder_frames(seed, srcs, slots, chunk, skipped, workers, progress)
     model = seeded_random_model(seed)
+    frames, used_samples, audio_sha256 = _encoder_frames(model, seed, srcs, slots, chunk, skipped, workers,
+                                                         progress)
     if not frames:
         raise ValueError("make_local_weights: no usable audio in the sources" +
                          (f" ({len(skipped)} unreadable, e.g. {skipped[0]})" if skipped else ""))
