@@ -151,12 +151,12 @@ def test_two_processes_match_one_and_resume(tokenized_dataset, tmp_path, capsys,
     assert "was written by 2 process(es); resume it with 2" in out and "not 1" in out, out[-2000:]
 
 
-def test_torchrun_without_a_distributed_setup_is_refused(tokenized_dataset, tmp_path):
-    """torchrun with 2 processes but no ACCELERATE_USE_CPU on a CPU machine: accelerate would set up two
-    independent single-process runs writing into one directory. Refused before any work, naming the fix, by
-    each of the 2 ranks, exit code 2 (started here with the variables torchrun sets: torchrun's own process,
-    which imports torch too, adds nothing to the refusal, which reads WORLD_SIZE, and says 1 for any rank's
-    failure; the other tests launch torchrun)."""
+def test_two_ranks_without_a_distributed_setup_are_refused(tokenized_dataset, tmp_path):
+    """2 ranks as torchrun starts them (its variables, WORLD_SIZE 2) but no ACCELERATE_USE_CPU on a CPU machine:
+    accelerate would set up two independent single-process runs writing into one directory. Refused before any
+    work, naming the fix, by each rank, exit code 2 (started here: torchrun's own process, which imports torch
+    too, adds nothing to the refusal, which reads WORLD_SIZE, and says 1 for any rank's failure; the other tests
+    launch torchrun)."""
     out = launch(tokenized_dataset, tmp_path, "two", 2, rc=2, use_cpu=False, torchrun=False)
     assert "launched as 2 processes (WORLD_SIZE) but accelerate set up 1" in out and "ACCELERATE_USE_CPU=1" in out
     assert not (tmp_path / "two" / "metrics.jsonl").exists()
