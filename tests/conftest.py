@@ -185,13 +185,10 @@ def other_machine_tokens(tokenized_dataset: Path, tmp_path: Path) -> tuple[Path,
 @pytest.fixture
 def fresh_accelerate_state():
     """accelerate keeps process-wide singletons; reset them around a test that builds Trainers in-process."""
-    from accelerate.state import AcceleratorState, GradientState
+    from inproc import fresh_accelerate
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    with fresh_accelerate():
+        yield
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from inproc import trainer_here
 
-from musiclm_stab.threads import one_thread
 from musiclm_stab.training import checkpoint
 from musiclm_stab.training import trainer as train
 
@@ -46,10 +46,9 @@ def start(data: Path, out: Path, name: str, *extra: str, env: dict | None = None
 def resume_here(data: Path, out: Path, name: str, capsys, *extra: str) -> str:
     """``--resume`` of run ``name`` to its end in this process (pretrain.py's main, on one intra-op thread as
     ``start``'s runs), where the test is about what was interrupted, not about how the resume is launched:
-    what it printed. Needs the fresh_accelerate_state fixture."""
+    what it printed."""
     capsys.readouterr()
-    with one_thread():
-        code = train.main(run_args(data, out, name, *extra, "--resume"))
+    code = trainer_here(run_args(data, out, name, *extra, "--resume"))
     said = capsys.readouterr()
     assert code == 0, (said.out + said.err)[-4000:]
     return said.out + said.err
@@ -119,17 +118,8 @@ def reference_run(tokenized_dataset, tmp_path_factory) -> Path:
 
     Trained in this process, on one intra-op thread as ``start``'s runs (the runs it is compared with are
     launched: the tests are about them, not about how the reference is started)."""
-    from accelerate.state import AcceleratorState, GradientState
-
     out = tmp_path_factory.mktemp("ref")
-    AcceleratorState._reset_state(True)  # as the fresh_accelerate_state fixture (function-scoped) does
-    GradientState._reset_state()
-    try:
-        with one_thread():
-            assert train.main(run_args(tokenized_dataset, out, "ref", "--train.max_steps=6")) == 0
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    assert trainer_here(run_args(tokenized_dataset, out, "ref", "--train.max_steps=6")) == 0
     return out / "ref"
 
 
@@ -139,8 +129,7 @@ def reference(reference_run):
     return rows(reference_run)
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, reference, capsys,
-                                                   fresh_accelerate_state):
+def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, reference, capsys):
     """A run killed with SIGKILL after step 3 and resumed logs the same metrics as an uninterrupted run."""
     proc = start(tokenized_dataset, tmp_path, "k", "--train.max_steps=6")
     wait_for_step(proc, tmp_path / "k", 3)
@@ -155,8 +144,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tokenized_dataset, tmp_path, 
     assert_same_metrics(final_rows(tmp_path / "k"), reference)
 
 
-def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset, tmp_path, reference, capsys,
-                                                              fresh_accelerate_state):
+def test_sigkill_during_checkpoint_writes_then_resume_matches(tokenized_dataset, tmp_path, reference, capsys):
     """SIGKILL in the middle of a checkpoint write, twice: once when checkpoint 4 is complete but not yet
     renamed, once (in the resumed run) when checkpoint 6's accelerate state is written but has no manifest.
     Each resume removes the partial write with a message, starts from the previous complete checkpoint,

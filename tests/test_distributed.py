@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from inproc import trainer_here
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -102,23 +103,10 @@ def start_ranks(cmd: list[str], cwd: Path, env: dict[str, str], procs: int, time
 def run_here(data: Path, out: Path, name: str, capsys, *extra: str, rc: int = 0) -> str:
     """One process, in this one: pretrain.py's main with ``launch``'s arguments (a subprocess would spend
     most of its time importing torch again), on one intra-op thread as ``launch``'s processes (the tiny
-    model's tensors on shared cores: threads only add overhead). Leaves accelerate's process-wide state to
-    the fresh_accelerate_state fixture."""
-    import torch
-    from accelerate.state import AcceleratorState, GradientState
-
-    from musiclm_stab.training.trainer import main
-
-    AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
-    GradientState._reset_state()
+    model's tensors on shared cores: threads only add overhead), with accelerate's state fresh around it
+    (``trainer_here``)."""
     capsys.readouterr()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.chdir(out):  # as launch runs it
-            assert main(pretrain_args(data, out, name, 1, *extra)) == rc
-    finally:
-        torch.set_num_threads(threads)
+    assert trainer_here(pretrain_args(data, out, name, 1, *extra), cwd=out) == rc
     said = capsys.readouterr()
     assert rc or "1 process(es)" in said.out, said.out[-2000:]
     return said.out + said.err

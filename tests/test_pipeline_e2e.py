@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from inproc import trainer_here
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -81,25 +82,8 @@ def tokens(tmp_path_factory, local_weights) -> Path:
 
 
 def train_here(tmp: Path, data: Path, name: str, *extra: str) -> None:
-    """The trainer's main (what accelerate launch runs) in this process, with ``launch``'s arguments, in
-    ``tmp`` as launch runs it and on one intra-op thread as the launched processes (OMP_NUM_THREADS=1); a
-    launch would spend most of its time starting. Accelerate's process-wide state is reset around it."""
-    import torch
-    from accelerate.state import AcceleratorState, GradientState
-
-    from musiclm_stab.training import trainer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)  # a run before this one, in this process, set it up
-    GradientState._reset_state()
-    try:
-        with contextlib.chdir(tmp):
-            assert trainer.main(launch_args(tmp, data, name, *extra)) == 0
-    finally:
-        torch.set_num_threads(threads)
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    """The trainer's main in this process (``trainer_here``) with ``launch``'s arguments, in ``tmp``."""
+    assert trainer_here(launch_args(tmp, data, name, *extra), cwd=tmp) == 0
 
 
 @pytest.fixture(scope="module")

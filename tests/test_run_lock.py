@@ -228,7 +228,7 @@ def test_a_trainer_is_refused_a_folder_a_tokenizer_is_writing_touching_nothing(t
 
 
 def test_a_trainer_whose_lock_file_was_deleted_stops_and_the_metrics_stay_in_order(tokenized_dataset, tmp_path,
-                                                                                   capsys, fresh_accelerate_state):
+                                                                                   capsys):
     """The lock bypassed as the issue did it: trainer A is held after update 4 (rows 1-3 written, checkpoint 2
     published), its lock file is deleted, and a `--resume` B locks a new one and trains to step 6. Let go, A
     stops before its next write with exit 2 and one line saying its lock was deleted and why that stops it,
