@@ -13,7 +13,8 @@ The fault is chosen by the environment variable ``TRAIN_FAULT``; it patches the 
   without a launcher) into the partial write of checkpoint ``<step>`` write 16 bytes, wait ``<seconds>`` (a
   slow disk: the other processes are done with their part meanwhile) and fail as a full disk does.
 - ``hold:<step>:<marker>`` holds the training loop right after update ``<step>`` (before its metrics row),
-  after creating the file ``<marker>``, until the test deletes that file; then training goes on.
+  after publishing a checkpoint still written in the background and creating the file ``<marker>``, until
+  the test deletes that file; then training goes on.
 - ``raise:<step>`` raises a RuntimeError (an error ``main`` does not handle: a bug) on every process right
   after update ``<step>``, as a checkpoint of the step before may still be written in the background.
 
@@ -86,6 +87,9 @@ def hold(step: int, marker: Path) -> None:
     def update(self):
         result = original(self)
         if self.step == step:
+            # a checkpoint still written in the background is published first, as the loop's next poll would
+            # once its files are done: what the test sees held does not depend on how fast the disk was
+            self.checkpoints.wait()
             marker.write_text(f"held after update {step}\n")
             while marker.exists():  # until the test lets it go on
                 time.sleep(0.05)
