@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+from inproc import fresh_accelerate
 
 from musiclm_stab.cli import main as cli
 from musiclm_stab.training import checkpoint
@@ -21,17 +22,12 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def damaged(tokenized_dataset, tmp_path_factory) -> Path:
     """A 4-step run (checkpoints 2 and 4) whose checkpoint 4 has one flipped byte in model.safetensors."""
-    from accelerate.state import AcceleratorState, GradientState
-
     out = tmp_path_factory.mktemp("named")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    assert train.main(["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={tokenized_dataset}",
-                       f"--train.output_dir={out}", "--train.name=r", "--data.crop_seconds=2.0",
-                       "--data.batch_size=2", "--data.eval_fraction=0.3", "--train.max_steps=4",
-                       "--train.checkpoint_every=2", "--train.trackers=[]"]) == 0
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    with fresh_accelerate():
+        assert train.main(["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={tokenized_dataset}",
+                           f"--train.output_dir={out}", "--train.name=r", "--data.crop_seconds=2.0",
+                           "--data.batch_size=2", "--data.eval_fraction=0.3", "--train.max_steps=4",
+                           "--train.checkpoint_every=2", "--train.trackers=[]"]) == 0
     weights = out / "r" / "checkpoints" / "step_00000004" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF  # a weight's bytes: the file still loads, with one value changed

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from inproc import fresh_accelerate
 
 from musiclm_stab.config import load_config
 from musiclm_stab.training import checkpoint
@@ -39,11 +39,6 @@ def config(data, out: Path, *extra: str):
     return load_config(given[1], given[2:])
 
 
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def steps_logged(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -52,9 +47,8 @@ def steps_logged(run_dir: Path) -> list[int]:
 def trained(tokenized_dataset, tmp_path_factory) -> Path:
     """A 2-step run with its checkpoint of step 2 (copied by each test before it changes anything)."""
     out = tmp_path_factory.mktemp("trained")
-    reset_accelerate()
-    assert train.main(args(tokenized_dataset, out, "--train.max_steps=2")) == 0
-    reset_accelerate()
+    with fresh_accelerate():
+        assert train.main(args(tokenized_dataset, out, "--train.max_steps=2")) == 0
     return out
 
 
@@ -153,15 +147,16 @@ def test_resume_refuses_other_rows_but_not_a_copy(tokenized_dataset, trained, ot
     same rows under another path (a copied folder) resume."""
     ckpt = copy_run(trained, tmp_path)
     capsys.readouterr()
-    assert train.main(args(other_rows, tmp_path, "--train.max_steps=3", "--resume")) == 2
+    with fresh_accelerate():
+        assert train.main(args(other_rows, tmp_path, "--train.max_steps=3", "--resume")) == 2
     err = capsys.readouterr().err
     assert (f"error: cannot resume {ckpt} with data.path={other_rows}: its data position counts the rows of "
             f"data.path={tokenized_dataset}, and data.path={other_rows} holds other rows") in err, err[-2000:]
     assert steps_logged(tmp_path / NAME) == [1, 2]
-    reset_accelerate()
     moved = tmp_path / "moved_tokens"
     shutil.copytree(tokenized_dataset, moved)
-    assert train.main(args(moved, tmp_path, "--train.max_steps=3", "--resume")) == 0
+    with fresh_accelerate():
+        assert train.main(args(moved, tmp_path, "--train.max_steps=3", "--resume")) == 0
     assert steps_logged(tmp_path / NAME) == [1, 2, 3]
 
 

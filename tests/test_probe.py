@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from inproc import fresh_accelerate
 
 pytest.importorskip("music21")
 pytest.importorskip("tinysoundfont")
@@ -48,17 +49,10 @@ def short_rendered_tokens(tmp_path_factory, local_weights):
 
 def train(cfg):
     """Train ``cfg`` with the in-process Trainer; its run directory."""
-    from accelerate.state import AcceleratorState, GradientState
-
     from musiclm_stab.training.trainer import Trainer
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with fresh_accelerate():
         return Trainer(cfg).run()
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")

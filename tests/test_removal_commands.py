@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+from inproc import fresh_accelerate
 from permissions import permissions_apply
 
 from musiclm_stab.cli import main as cli
@@ -24,19 +25,12 @@ STEP_2, STEP_4 = "step_00000002", "step_00000004"
 
 def train_main(data: Path, run_dir: Path, *extra: str) -> int:
     """recipes/pretrain.py's main in this process, on the tiny recipe (2 s crops): its exit code."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with fresh_accelerate():
         return train.main(["--config", str(REPO / "recipes" / "tiny.yaml"), f"--data.path={data}",
                            f"--train.output_dir={run_dir.parent}", f"--train.name={run_dir.name}",
                            "--data.crop_seconds=2.0", "--data.batch_size=2", "--data.eval_fraction=0.3",
                            "--optim.warmup_steps=2", "--train.checkpoint_every=2", "--train.keep_checkpoints=10",
                            "--train.trackers=[]", *extra])
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
