@@ -100,6 +100,20 @@ def test_24_layers_at_the_rate_with_the_larger_interaction_else_no_sign(tmp_path
     assert set(d.interactions) == {"8 3e-3", "8 9e-3", "24 3e-3"}
 
 
+def test_a_setting_piloted_before_the_one_the_rule_reads_first_is_shown(tmp_path, capsys):
+    """The 24-layer four at 3L in, the four at L not (pilots run in another order, or lost and run again): the
+    table shows the 24-layer setting and its interaction, and the rule still asks for the four at L (before: "No
+    pilot of the positive control is in yet" over runs that were in)."""
+    write_setting(tmp_path, 0.05, layers=24, lr=3 * learning_params.L)
+    d = apply_rule([tmp_path], UNIGRAM)
+    assert d.step is None and (d.needs["layers"], d.needs["lr"]) == (8, learning_params.L)
+    assert d.interactions == {"24 9e-3": pytest.approx(0.05)} and d.seed == 301
+    assert cli_main([str(tmp_path), "--unigram", str(UNIGRAM)]) == 0
+    out = capsys.readouterr().out
+    assert "No pilot" not in out and "| 24 | 9e-3 | -0.300 | -0.250 | -0.200 | -0.100 | +0.050 |" in out, out
+    assert "Not chosen yet: the rule needs the pilots at 8 layers, lr 3e-3" in out
+
+
 def test_a_failed_run_is_scored_at_its_loss_at_initialisation(tmp_path, capsys):
     """Post-LN without warmup diverging at step 12 scores its cap, 10.39 bits (its first cb0): the interaction is
     (10.39 - 9.1) - 0.05 = 1.24, step 1, and the table marks the cell failed."""
@@ -141,3 +155,4 @@ def test_runs_without_a_control_pilot_name_the_first_pilots_and_no_seed(tmp_path
     assert "seed" not in out and "| layers |" not in out
     assert out.startswith("No pilot of the positive control is in yet. Not chosen yet: the rule needs the pilots at "
                           "8 layers, lr 3e-3"), out
+

@@ -15,9 +15,9 @@ at its loss at initialisation (learning.control_score). The rule, fixed before t
    before its runs that the pilots showed no sign of the effect.
 
 A setting counts only when all four of its runs are in (each reached its last step, or stopped at fp16's
-loss-scale floor) in one block (the
-pilots' seed); a setting the rule needs that is not in yet is named, with the roles to run, and nothing is
-chosen.
+loss-scale floor) in one block (the pilots' seed); a setting the rule needs that is not in yet is named, with
+the roles to run, and nothing is chosen. The table shows every setting whose four are in, also one the rule has
+not reached yet (pilots run in another order).
 """
 
 from __future__ import annotations
@@ -92,16 +92,20 @@ def apply_rule(run_dirs: Sequence[str | Path | RunMetrics], unigram_eval_cb0: fl
         raise ValueError(f"the pilots are one block (seed); these runs are of seeds {sorted(blocks)}")
     seed = next(iter(blocks), None)
     decision = PilotDecision(step=None, layers=None, lr=None, no_sign=False, seed=seed)
+    for layers in (CLAIMS_LAYERS, DEEP_LAYERS):  # the table: every setting whose four are in, in the rule's order
+        for lr in CONTROL_LRS:
+            roles = control_roles(layers, lr)
+            if blocks and all(role in blocks[seed] for role in roles.values()):
+                c = control_of(blocks, layers, lr)
+                key = _key(layers, lr)
+                decision.interactions[key], decision.cells[key], decision.failed[key] = (
+                    c["interaction"][0], c["cells"], c["failed"])
 
     def interaction(layers: int, lr: float) -> float | None:
-        roles = control_roles(layers, lr)
-        if not blocks or any(role not in blocks[seed] for role in roles.values()):
-            decision.needs = {"layers": layers, "lr": lr, "roles": roles}
-            return None
-        c = control_of(blocks, layers, lr)
-        key = _key(layers, lr)
-        decision.interactions[key], decision.cells[key], decision.failed[key] = c["interaction"][0], c["cells"], c["failed"]
-        return c["interaction"][0]
+        got = decision.interactions.get(_key(layers, lr))
+        if got is None:
+            decision.needs = {"layers": layers, "lr": lr, "roles": control_roles(layers, lr)}
+        return got
 
     def choose(step: int, layers: int, lr: float, no_sign: bool = False) -> PilotDecision:
         decision.step, decision.layers, decision.lr, decision.no_sign, decision.needs = step, layers, lr, no_sign, {}
