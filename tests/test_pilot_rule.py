@@ -20,6 +20,7 @@ CELLS = {"pre_w": ("study_prenorm_clip1_run2", True), "pre_nw": ("study_prenorm_
          "post_w": ("study_postnorm_clip1", True), "post_nw": ("study_postnorm_clip1", False)}
 UNIGRAM = 9.3
 STEPS = 40  # the horizon here (monkeypatched): the rule reads the configs' own
+H_PLAN = learning_params.H  # the plan's horizon, the committed pilots'
 
 
 @pytest.fixture(autouse=True)
@@ -156,3 +157,19 @@ def test_runs_without_a_control_pilot_name_the_first_pilots_and_no_seed(tmp_path
     assert out.startswith("No pilot of the positive control is in yet. Not chosen yet: the rule needs the pilots at "
                           "8 layers, lr 3e-3"), out
 
+
+
+def test_the_committed_pilots_recompute(tmp_path, capsys, monkeypatch):
+    """docs/learning_cpu/pilots.tar.xz (the pilots carried so far: configs and metrics) gives again the committed
+    pilot_rule.md and pilot_rule.json beside it."""
+    import tarfile
+
+    for where in (learning_params, learning):  # the pilots' own horizon, not this module's short one
+        monkeypatch.setattr(where, "H", H_PLAN)
+    docs = REPO / "docs" / "learning_cpu"
+    with tarfile.open(docs / "pilots.tar.xz") as tar:
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    out = tmp_path / "pilot_rule.json"
+    assert cli_main([str(tmp_path), "--unigram", "9.287", "--json", str(out)]) == 0
+    assert capsys.readouterr().out == (docs / "pilot_rule.md").read_text()
+    assert json.loads(out.read_text()) == json.loads((docs / "pilot_rule.json").read_text())
