@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from archives import unpack
 
 from musiclm_stab.analysis.horizon import choose_horizon, cli_main
 from musiclm_stab.config import load_config
@@ -122,13 +123,10 @@ def test_the_rule_waits_for_all_four_runs_and_the_command(tmp_path, capsys):
 def test_the_committed_calibration_recomputes(tmp_path, capsys):
     """docs/learning_cpu/calibration.tar.xz (the four calibration runs' configs and metrics) gives again the
     committed horizon.md and horizon.json, and the values in analysis/learning_params.py."""
-    import tarfile
-
     from musiclm_stab.analysis import learning_params
 
     docs = REPO / "docs" / "learning_cpu"
-    with tarfile.open(docs / "calibration.tar.xz") as tar:
-        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    unpack(docs / "calibration.tar.xz", tmp_path)
     out = tmp_path / "horizon.json"
     assert cli_main([str(tmp_path), "--unigram", "9.287", "--json", str(out)]) == 0
     assert capsys.readouterr().out == (docs / "horizon.md").read_text()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from archives import unpack
 
 from musiclm_stab.analysis import learning, learning_params
 from musiclm_stab.analysis.pilot_rule import apply_rule, cli_main
@@ -158,17 +159,13 @@ def test_runs_without_a_control_pilot_name_the_first_pilots_and_no_seed(tmp_path
                           "8 layers, lr 3e-3"), out
 
 
-
 def test_the_committed_pilots_recompute(tmp_path, capsys, monkeypatch):
     """docs/learning_cpu/pilots.tar.xz (the pilots carried so far: configs and metrics) gives again the committed
     pilot_rule.md and pilot_rule.json beside it."""
-    import tarfile
-
     for where in (learning_params, learning):  # the pilots' own horizon, not this module's short one
         monkeypatch.setattr(where, "H", H_PLAN)
     docs = REPO / "docs" / "learning_cpu"
-    with tarfile.open(docs / "pilots.tar.xz") as tar:
-        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    unpack(docs / "pilots.tar.xz", tmp_path)
     out = tmp_path / "pilot_rule.json"
     assert cli_main([str(tmp_path), "--unigram", "9.287", "--json", str(out)]) == 0
     assert capsys.readouterr().out == (docs / "pilot_rule.md").read_text()

@@ -7,12 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tarfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from archives import unpack
 
 from musiclm_stab.analysis import failures, learning, learning_params, power_rates, power_runs
 from musiclm_stab.analysis.claims import _plain
@@ -76,9 +76,8 @@ def test_the_default_rates_are_measured_on_the_instability_archive(tmp_path):
     """DEFAULT_RATES are what measure_rates finds on the instability study's archive (the runs at the calibration
     rates 3e-3 and 1e-2 and the Pre-LN failures at 1e-1): 72 calibration runs in 12 blocks, 24 failure steps."""
     wanted = ("_lr3e-3_", "_lr1e-2_", "_lr1e-1_")
-    with tarfile.open(REPO / "docs" / "instability_cpu" / "runs.tar.xz") as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith("instability_cpu/") and any(w in m.name for w in wanted)]
-        tar.extractall(tmp_path, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    unpack(REPO / "docs" / "instability_cpu" / "runs.tar.xz", tmp_path,
+           lambda name: name.startswith("instability_cpu/") and any(w in name for w in wanted))
     measured = asdict(power_rates.measure_rates([tmp_path / "instability_cpu"]))
     default = asdict(power_runs.DEFAULT_RATES)
     measured.pop("source"), default.pop("source")

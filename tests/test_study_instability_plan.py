@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
+from archives import unpack
 
 from musiclm_stab.analysis.instability import ROLES6, role6
 from musiclm_stab.experiments.study import cli_main
@@ -96,8 +96,7 @@ def test_instability_arms_steps_and_refusals(tmp_path, capsys):
 def carried(tmp_path_factory) -> Path:
     """docs/instability_cpu/runs.tar.xz unpacked once for this module's tests."""
     root = tmp_path_factory.mktemp("carried")
-    with tarfile.open(DOCS / "runs.tar.xz") as tar:
-        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # 3.10.12+
+    unpack(DOCS / "runs.tar.xz", root)
     return root
 
 
