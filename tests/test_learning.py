@@ -184,6 +184,27 @@ def test_the_control_detects_a_planted_interaction_and_calls_none_absent():
     assert control_of(blocks, 8, 3 * learning_params.L)["detects"] and not control_of(blocks)["seeds"]
 
 
+def test_the_controls_survival_interaction_sees_warmup_postpone_post_lns_failure():
+    """The control's secondary endpoint, the interaction of the steps survived: plain Post-LN losing its input at
+    step 170 + s without warmup and 400 + s with it, Pre-LN surviving the horizon with and without: detected
+    (+230 steps in each of 8 blocks, p 2/256), while the primary, both Post-LN cells at the cap, is not; both
+    Post-LN runs dying at the same step: absent within +-10 steps; claims.md says both."""
+    runs = []
+    for s in range(8):
+        runs += [run("clip1", s), run("pre_nw", s), run("post_w", s, kind="dead input", step=400 + s),
+                 run("post_nw", s, kind="dead input", step=170 + s)]
+    found = control_of(arm_blocks(runs, CLAIMS))
+    assert found["survival_detects"] and not found["survival_absent"] and not found["detects"]
+    assert found["survival"].estimate == 230 and found["survival"].p == pytest.approx(2 / 256)
+    assert found["survived"] == {"pre_w": 500, "pre_nw": 500, "post_w": 403.5, "post_nw": 173.5}
+    text = "\n".join(learning_report.control_markdown(found))
+    assert "warmup postpones Post-LN's failure more than Pre-LN's (**detected**)" in text
+    same = [run(r.role, r.seed, kind=r.kind, step=170 + r.seed) if r.role == "post_w" else r for r in runs]
+    tied = control_of(arm_blocks(same, CLAIMS))
+    assert tied["survival_absent"] and not tied["survival_detects"] and tied["survival"].estimate == 0
+    assert "(**absent**, within +-10 steps)" in "\n".join(learning_report.control_markdown(tied))
+
+
 def claims_blocks(seed: int = 0, **plant) -> dict:
     """Eight blocks of the four with small run noise (every claim's parts well inside their margins), and the
     planted effects: ``early`` / ``grad`` / ``own`` / ``cascades`` {role: shift} (grad: in ln)."""

@@ -115,7 +115,9 @@ def test_the_default_scenario_table_is_the_one_before_dead_input(short):
     for dead in (None, {"deepnorm": (0.0, 20, 40)}):
         table = power_runs.power_table(power_runs.DEFAULT_RATES, [6, 8], 2, base_seed=5, dead=dead)
         old = {k: v for k, v in table["null_runs"].items() if k != "dead_input_share"}
-        text = json.dumps({"counts": table["counts"], "null_runs": old}, sort_keys=True)
+        counts = {effect: {n: {k: v for k, v in cell.items() if k != "control survival"} for n, cell in by_n.items()}
+                  for effect, by_n in table["counts"].items()}  # the control's secondary came after
+        text = json.dumps({"counts": counts, "null_runs": old}, sort_keys=True)
         assert hashlib.sha256(text.encode()).hexdigest() == BEFORE_DEAD_INPUT, dead
 
 
@@ -179,3 +181,36 @@ def test_measuring_runs_without_a_block_of_two_is_refused_by_name(tmp_path, shor
     err = capsys.readouterr().err
     assert "a run's own noise needs a block (lr, seed) with two runs that did not fail" in err
     assert "2 blocks of one run" in err
+
+
+def test_post_ln_dying_later_with_warmup_is_what_the_controls_survival_interaction_detects(tmp_path, short):
+    """--dead post_nw=1:10:20 --dead post_w=1:35:50: both plain Post-LN cells sit at the cap, so the control's
+    primary (bits) cannot detect, while its secondary (steps survived) detects in every study of 8 seeds, and
+    the markdown's null table says so."""
+    out = tmp_path / "o"
+    argv = ["--out", str(out), "--studies", "2", "--seeds", "8", "--dead", "post_nw=1:10:20", "--dead", "post_w=1:35:50"]
+    assert power_runs.cli_main(argv) == 0
+    table = json.loads((out / "power_runs.json").read_text())
+    assert power_runs.share(table, power_runs.NULL, 8, "control survival", ["detects"]) == 1.0
+    assert power_runs.share(table, power_runs.NULL, 8, "control", ["detects"]) == 0.0
+    assert power_runs.share(table, "control 0.5", 8, "control", ["detects"]) == 0.0  # planted on a capped cell
+    assert "| the control's secondary (steps survived) detects" in (out / "power_runs.md").read_text()
+    assert "| 100.0% |" in (out / "power_runs.md").read_text()
+
+
+def test_rates_measured_on_one_block_of_several_configurations_take_its_spread_as_run_noise(tmp_path, short):
+    """The learning pilots' case: Pre-LN clip 1 with and without warmup in one block (seed 0; the study's roles
+    tell them apart, where role6 would read both as clip 1) and clip 1 alone in another: the endpoints' run SD is
+    the SD across the first block's two configurations, and the block SD, which no two blocks can give, equals
+    it."""
+    runs = [power_runs.study_run(power_runs.DEFAULT_RATES, role, seed, 0) for role, seed in
+            (("clip1", 0), ("pre_nw", 0), ("clip1", 1))]
+    for r in runs:
+        power_runs.write_run(r, tmp_path / "runs")
+    rates = power_rates.measure_rates([tmp_path / "runs"], calibration_lrs=[learning_params.L])
+    assert (rates.runs, rates.blocks) == (3, 2)
+    ends = {r.role: r for r in learning.learning_runs(runs, power_runs.UNIGRAM)[0] if r.seed == 0}
+    expected = abs(ends["clip1"].early_loss - ends["pre_nw"].early_loss) / math.sqrt(2)
+    assert rates.early_run_sd == pytest.approx(expected) and rates.early_block_sd == rates.early_run_sd
+    lngrad = abs(math.log(ends["clip1"].median_grad_norm / ends["pre_nw"].median_grad_norm)) / math.sqrt(2)
+    assert rates.lngrad_run_sd == pytest.approx(lngrad) and rates.lngrad_block_sd == rates.lngrad_run_sd

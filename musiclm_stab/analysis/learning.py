@@ -51,7 +51,11 @@ The positive control, stated first (not in the claims' family; p not adjusted): 
 in bits of the final held-out cb0 at H, (post_nw - post_w) - (pre_nw - pre_w), a run that diverged or lost
 its input scored at its cap; > 0 = Post-LN hurt more by the missing warmup. Exact two-sided Wilcoxon over
 the blocks with all four; it *detects* when p < ALPHA with a positive median; TOST against CONTROL_MARGIN =
-0.1 bits says whether the effect is absent at this scale.
+0.1 bits says whether the effect is absent at this scale. Beside it, secondary (added after the pilots, before
+the study's runs: in every pilot plain Post-LN lost its input with and without warmup, so both of its cells sat
+at the cap, and warmup delayed the failure): the same interaction of the steps survived, (post_w - post_nw) -
+(pre_w - pre_nw), > 0 = warmup postpones Post-LN's failure more than Pre-LN's; the exact two-sided Wilcoxon and
+TOST against DELTA_STEPS = 10 steps, read as the primary is.
 
 The claims (one family):
 
@@ -357,7 +361,14 @@ def control_of(blocks: Blocks, layers: int = CLAIMS_LAYERS, lr: float | None = N
     part = MarginPart.paired("interaction (bits): (Post-LN no warmup - warmup) - (Pre-LN no warmup - warmup)", d,
                              CONTROL_MARGIN)
     detects = bool(part.p < ALPHA and part.estimate > 0)
-    return {"layers": layers, "lr": L if lr is None else lr, "roles": roles, "seeds": seeds, "part": part, "interaction": [float(x) for x in d],
+    survived = {c: _values(blocks, lambda e: e.survived, r, seeds) for c, r in roles.items()}
+    ds = (survived["post_w"] - survived["post_nw"]) - (survived["pre_w"] - survived["pre_nw"])
+    survival = MarginPart.paired("survival interaction (steps): (Post-LN warmup - no warmup) - (Pre-LN warmup - "
+                                 "no warmup)", ds, DELTA_STEPS)
+    return {"layers": layers, "lr": L if lr is None else lr, "roles": roles, "seeds": seeds, "part": part,
+            "survival": survival, "survived": {c: float(v.mean()) if len(v) else math.nan for c, v in survived.items()}, "survival_detects": bool(survival.p < ALPHA and survival.estimate > 0),
+            "survival_absent": bool(not (survival.p < ALPHA and survival.estimate > 0) and survival.p_tost < ALPHA),
+            "interaction": [float(x) for x in d],
             "cells": {c: float(v.mean()) if len(v) else math.nan for c, v in cells.items()},
             "failed": {c: sum(blocks[s][r].kind in ("diverged", "dead input") for s in seeds) for c, r in roles.items()},
             "detects": detects, "absent": bool(not detects and part.p_tost < ALPHA)}

@@ -97,7 +97,20 @@ def control_markdown(control: dict) -> list[str]:
             f"dead run at its cap), over {n} blocks: means {cells}, Pre-LN warmup {control['cells']['pre_w']:.3f} "
             f"bits; failed (diverged or dead input) " + ", ".join(
                 f"{c} {k}" for c, k in control["failed"].items()) + ".",
-            f"- {margin_text(part)}; the control {verdict}."]
+            f"- {margin_text(part)}; the control {verdict}.",
+            *survival_markdown(control)]
+
+
+def survival_markdown(control: dict) -> list[str]:
+    """The control's secondary endpoint: the interaction of the steps survived (learning.control_of)."""
+    part: MarginPart = control["survival"]
+    seen = ("warmup postpones Post-LN's failure more than Pre-LN's (**detected**)" if control["survival_detects"]
+            else f"no difference in survival (**absent**, within +-{part.margin:g} steps)" if control["survival_absent"]
+            else "**not detected**, not shown absent (inconclusive)")
+    short = {**ROLE_SHORT, "pre_w": "Pre-LN warmup"}
+    means = ", ".join(f"{short.get(c, c)} {float(v):.0f}" for c, v in control["survived"].items())
+    return [f"- Secondary, fixed after the pilots and before the runs: steps survived (a run that neither diverged "
+            f"nor lost its input at its horizon), means {means}; {margin_text(part)}; {seen}."]
 
 
 def mechanism_markdown(mech: dict, roles: list[dict]) -> list[str]:

@@ -8,8 +8,9 @@ steps the mean curve takes to fall 63% of the way; the per-step loss noise share
 each run's residual about its centred 9-step mean, from step 20) and a run's own (the robust SD of two runs'
 residual differences in a block, / sqrt 2: the same batches cancel); spike events (claim_stats.spike_events)
 per run per 100 steps, the share shared within the block (learning_params.SHARED_STEPS) and recovered;
-cascades per 100 steps; the SD of block means and the pooled run SD (configuration means removed) of early
-loss, ln median gradient norm and final held-out cb0; the per-step ln gradient-norm noise, its first and late
+cascades per 100 steps; the SD of block means and the pooled run SD (configuration means removed; where no two
+blocks share two configurations, the SD across a block's configurations for both: ``_within``) of early loss, ln
+median gradient norm and final held-out cb0; the per-step ln gradient-norm noise, its first and late
 medians and time constant; the first training cb0 (the cap); and the divergence steps of the Pre-Norm runs at
 ``failure_lr``.
 """
@@ -28,6 +29,7 @@ from musiclm_stab.analysis.claim_stats import block_of, logged, spike_events
 from musiclm_stab.analysis.claims import read_runs
 from musiclm_stab.analysis.failures import cascades
 from musiclm_stab.analysis.instability import EARLY_SHARE, endpoints, role6
+from musiclm_stab.analysis.learning import learning_role
 from musiclm_stab.analysis.runs import RunMetrics
 
 
@@ -103,18 +105,43 @@ def _residual(v: np.ndarray, k: int = 9) -> np.ndarray:
 
 def _two_way(table: dict[tuple, dict[str, float]]) -> tuple[float, float]:
     """(SD of block means, pooled run SD) of a block x configuration table, configurations present in every
-    block, their means removed (a configuration's own effect is not noise)."""
+    block, their means removed (a configuration's own effect is not noise). Where no two blocks share two
+    configurations (the learning study's pilots: one block of several configurations beside the calibration's
+    block of one), ``_within``."""
     roles = sorted(set.intersection(*(set(v) for v in table.values()))) if table else []
     m = np.array([[table[b][r] for r in roles] for b in table], dtype=np.float64)
     if m.shape[0] < 2 or m.shape[1] < 2 or not np.isfinite(m).all():
-        return math.nan, math.nan
+        return _within(table)
     resid = m - m.mean(0, keepdims=True) - m.mean(1, keepdims=True) + m.mean()
     return float(m.mean(1).std(ddof=1)), float(math.sqrt((resid ** 2).sum() / ((m.shape[0] - 1) * (m.shape[1] - 1))))
+
+
+def _within(table: dict[tuple, dict[str, float]]) -> tuple[float, float]:
+    """(block SD, run SD) where the two-way table cannot part them: the run SD is the SD across the
+    configurations of each block with two or more finite values, pooled over such blocks (the configurations'
+    own effects counted as run noise: a larger SD, so a smaller power), and the block SD, which the paired
+    comparisons cancel, is taken equal to it; nan when no block has two finite values."""
+    found = []
+    for row in table.values():
+        v = np.array([x for x in row.values() if math.isfinite(x)], dtype=np.float64)
+        if len(v) >= 2:
+            found.append((float(v.std(ddof=1)), len(v) - 1))
+    if not found:
+        return math.nan, math.nan
+    sd = math.sqrt(sum(s * s * k for s, k in found) / sum(k for _, k in found))
+    return sd, sd
 
 
 def _pooled(pairs: list[tuple[float, float]], weights: list[int]) -> float:
     ok = [(v, w) for v, w in zip(pairs, weights) if math.isfinite(v)]
     return float(math.sqrt(sum(v * v * w for v, w in ok) / sum(w for _, w in ok))) if ok else math.nan
+
+
+def _configuration(run: RunMetrics) -> str:
+    """A calibration run's configuration: its learning-study role (which tells warmup from none), else
+    instability.role6, else its name."""
+    role = learning_role(run.config)
+    return role[1] if role else role6(run.config) or run.name
 
 
 def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: Sequence[float] = (3e-3, 1e-2),
@@ -131,7 +158,7 @@ def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: 
             if ends.kind == "diverged":
                 failures.append(int(ends.kind_step))
         elif any(math.isclose(lr, x) for x in calibration_lrs) and ends.kind == "none":
-            calib.append((r, ends, (lr, seed), role6(r.config) or r.name))
+            calib.append((r, ends, (lr, seed), _configuration(r)))
     if not calib:
         raise ValueError("no run that did not fail at the calibration lrs " + ", ".join(f"{x:g}" for x in calibration_lrs))
     by_block: dict[tuple, list] = {}

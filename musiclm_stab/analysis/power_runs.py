@@ -368,7 +368,9 @@ def verdicts_of(runs: Sequence[LearningRun], seeds: int) -> dict[str, str]:
     used = [r for r in runs if r.seed < seeds]
     result = learning.analyse(used)
     control = result["control"]
-    out = {"control": "detects" if control["detects"] else ABSENT if control["absent"] else "inconclusive"}
+    out = {"control": "detects" if control["detects"] else ABSENT if control["absent"] else "inconclusive",
+           "control survival": ("detects" if control["survival_detects"] else ABSENT if control["survival_absent"]
+                                else "inconclusive")}
     out.update({c.key: c.verdict for c in result["claims"]})
     out.update({c.key: c.verdict for c in result["mechanism"]["checks"]})
     return out
@@ -483,6 +485,9 @@ def markdown(table: dict, command: str = "", seconds: float | None = None) -> st
         f"{share(table, NULL, n, 'control', ['detects']):.1%}" for n in seeds) + " |")
     lines.append("| the control's effect called absent | " + " | ".join(
         f"{share(table, NULL, n, 'control', [ABSENT]):.0%}" for n in seeds) + " |")
+    lines.append("| the control's secondary (steps survived) detects: its power where the scenario has Post-LN "
+                 "with warmup die later, else its false positives | " + " | ".join(
+                     f"{share(table, NULL, n, 'control survival', ['detects']):.1%}" for n in seeds) + " |")
     for key in KEYS:
         lines.append(f"| {key} called absent | " + " | ".join(
             f"{share(table, NULL, n, key, [ABSENT]):.0%}" for n in seeds) + " |")
