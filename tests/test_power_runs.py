@@ -109,9 +109,11 @@ def test_the_command_refuses_what_it_cannot_use(tmp_path, capsys):
 BEFORE_DEAD_INPUT = "b4dda010971f3addff6dc4fa7cf06379ed016db1abb5a790a169c40e9945347a"
 
 
-def test_the_default_scenario_table_is_the_one_before_dead_input(short):
+def test_the_default_scenario_table_is_the_one_before_dead_input(short, monkeypatch):
     """With no dead-input scenario (and with one of probability 0) the table's counts and null-run numbers are
-    bit for bit those computed before the scenario existed: every run is the same run."""
+    bit for bit those computed before the scenario existed, with the spike level of single steps as then
+    (SPIKE_SMOOTH 0): every run is the same run."""
+    monkeypatch.setattr(learning, "SPIKE_SMOOTH", 0)
     for dead in (None, {"deepnorm": (0.0, 20, 40)}):
         table = power_runs.power_table(power_runs.DEFAULT_RATES, [6, 8], 2, base_seed=5, dead=dead)
         old = {k: v for k, v in table["null_runs"].items() if k != "dead_input_share"}

@@ -37,6 +37,7 @@ losses in bits. A *logged value* is one row's value; a row whose value was not f
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,8 +169,12 @@ class SpikeEvent:
     progress: float = math.nan
 
 
-def spike_events(run: RunMetrics, metric: str = "loss") -> list[SpikeEvent]:
-    """The spike events of ``metric`` by the progress-lost rule (module docstring)."""
+def spike_events(run: RunMetrics, metric: str = "loss", smooth: int = 0) -> list[SpikeEvent]:
+    """The spike events of ``metric`` by the progress-lost rule (module docstring). With ``smooth`` > 0 the
+    level is the running minimum of the trailing median of the ``smooth`` logged values before each step
+    (its finite ones), not of the values themselves: where the loss of one batch scatters by a fair share of
+    the progress (the learning study's 1000-step runs), a lucky batch does not set the level and an ordinary
+    one is not a spike."""
     steps, v = logged(run, metric)
     events: list[SpikeEvent] = []
     finite = np.isfinite(v)
@@ -178,7 +183,10 @@ def spike_events(run: RunMetrics, metric: str = "loss") -> list[SpikeEvent]:
         start = v[finite][0] if finite.any() else math.nan
         level = np.empty(len(v))
         level[0] = math.nan
-        level[1:] = np.fmin.accumulate(v)[:-1]  # running minimum of the values before; fmin skips NaN
+        if smooth > 0:
+            level[1:] = np.fmin.accumulate(_trailing_median(v, smooth))
+        else:
+            level[1:] = np.fmin.accumulate(v)[:-1]  # running minimum of the values before; fmin skips NaN
         progress = start - level
         with np.errstate(invalid="ignore", divide="ignore"):
             lost = (v - level) / progress
@@ -203,6 +211,15 @@ def spike_events(run: RunMetrics, metric: str = "loss") -> list[SpikeEvent]:
     if run.diverged_at is not None and not ends_spiking:
         events.append(SpikeEvent(int(run.diverged_at), math.inf, math.inf, None))
     return events
+
+
+def _trailing_median(v: np.ndarray, k: int) -> np.ndarray:
+    """For each i of 0..n-2, the median of the finite values among v[i-k+1..i] (NaN when none is finite)."""
+    padded = np.concatenate([np.full(k - 1, np.nan), np.where(np.isfinite(v), v, np.nan)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, k)[:len(v) - 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a window with no finite value: NaN, as documented
+        return np.nanmedian(windows, axis=1) if len(windows) else np.zeros(0)
 
 
 def diverged(run: RunMetrics) -> bool:

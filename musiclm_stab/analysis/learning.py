@@ -33,7 +33,9 @@ Per run (``LearningRun``: analysis/instability.py's ``endpoints``, losses in bit
   held-out cb0, cap (the loss at initialisation) and the headroom maxima, as instability.endpoints.
 - ``survived``: the step of a divergence or dead input, else the run's max_steps (continuous, censored at
   the horizon).
-- own spikes: a spike event of the training loss (claim_stats.spike_events, the progress-lost rule) is
+- own spikes: a spike event of the training loss (claim_stats.spike_events, the progress-lost rule, its level
+  the running minimum of the trailing SPIKE_SMOOTH = 25-step median: fixed after the pilots, before the study's
+  runs, where the level of single steps made 38-49 events of batch-to-batch scatter in each 1000-step run) is
   *shared* when a run of another role in the same block has an event starting within SHARED_STEPS = 3
   steps of its start (the same hard batch), else *own*; ``own_recovered`` counts the own events that
   recovered. Computed over the block (``mark_own_spikes``), never from one run alone.
@@ -139,6 +141,7 @@ from musiclm_stab.analysis.learning_params import (
     MECHANISM,
     RELAX_ACTS,
     SHARED_STEPS,
+    SPIKE_SMOOTH,
     H,
     L,
 )
@@ -157,7 +160,7 @@ from musiclm_stab.analysis.sweep_report import lr_text
 # The parameters are learning_params.py's, handed on here too (``from musiclm_stab.analysis.learning import L``).
 __all__ = ["CLAIMS", "CLAIMS_LAYERS", "CONTROL_CELLS", "CONTROL_LAYERS", "CONTROL_LR", "CONTROL_LRS", "CONTROL_MARGIN",
            "DELTA_COUNT", "DELTA_EARLY", "DELTA_LN_GRAD", "DELTA_STEPS", "DOC_BEGIN", "DOC_END", "MARGIN_LEARNED",
-           "MECHANISM", "MECH_CHECKS", "MECH_LR", "MECH_ROLES", "MECH_STEPS", "RELAX_ACTS", "SHARED_STEPS", "Blocks", "H",
+           "MECHANISM", "MECH_CHECKS", "MECH_LR", "MECH_ROLES", "MECH_STEPS", "RELAX_ACTS", "SHARED_STEPS", "SPIKE_SMOOTH", "Blocks", "H",
            "L", "LearningRun", "analyse", "arm_blocks", "claims_of", "cli_main", "control_of", "control_roles",
            "control_score", "depth_role", "having", "headroom_at", "learned_share", "learning_role", "learning_run",
            "learning_runs", "mark_own_spikes", "mechanism_of", "roles_of", "write_claims"]
@@ -281,7 +284,7 @@ def learning_run(run: RunMetrics, unigram_eval_cb0: float) -> LearningRun | None
         return None
     arm, role = found
     claims = arm == CLAIMS
-    events = spike_events(run)
+    events = spike_events(run, smooth=SPIKE_SMOOTH)
     ends = endpoints(run, unigram_eval_cb0 if claims else None, MARGIN_LEARNED if claims else None, events)
     cfg = run.config
     out = LearningRun(**{**vars(ends), "role": role}, arm=arm, layers=int(cfg["model"]["num_layers"]),

@@ -23,6 +23,7 @@ DELTA_LN_GRAD = 0.1  # (b): ln median grad norm
 DELTA_COUNT = 0.5  # (c), (d)-steadier: events per run
 DELTA_STEPS = 10  # the mechanism checks: steps survived
 SHARED_STEPS = 3  # a spike within this many steps of another role's in the block is a shared hard batch
+SPIKE_SMOOTH = 25  # a spike's level: the running minimum of the trailing 25-step median (fixed after the pilots)
 RELAX_ACTS = 0.1  # attention-logit headroom below which relax equals plain attention
 CLAIMS_LAYERS = 8  # the claims arm's depth, and the mechanism arm's
 MECH_LR = 1e-1  # the mechanism arm's lr: where the instability study's Pre-LN overflowed fp16

@@ -73,9 +73,10 @@ class Rates:
 
 
 # Measured on docs/instability_cpu/runs.tar.xz (arm schemes, 180 runs; calibration lrs 3e-3 and 1e-2, failures at
-# 1e-1): python -m musiclm_stab.analysis.power_runs --measure runs/instability_cpu --out DIR
+# 1e-1; spikes by the single-step level): python -m musiclm_stab.analysis.power_runs --measure runs/instability_cpu
+# --spike-smooth 0 --out DIR
 DEFAULT_RATES = Rates(
-    source="python -m musiclm_stab.analysis.power_runs --measure runs/instability_cpu --out DIR "
+    source="python -m musiclm_stab.analysis.power_runs --measure runs/instability_cpu --spike-smooth 0 --out DIR "
            "(docs/instability_cpu/runs.tar.xz unpacked into runs/; calibration lrs 3e-3 1e-2, Pre-LN failures at 1e-1)",
     runs=72, blocks=12, l0=84.92822901407878, loss_end=67.42991783883836, tau=11.0, batch_sd=2.3436650998433475,
     run_sd=0.011582908310308915, spikes_per_100=1.712962962962963, shared_share=0.972972972972973,
@@ -145,10 +146,11 @@ def _configuration(run: RunMetrics) -> str:
 
 
 def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: Sequence[float] = (3e-3, 1e-2),
-                  failure_lr: float = 1e-1, source: str = "") -> Rates:
+                  failure_lr: float = 1e-1, source: str = "", spike_smooth: int = 0) -> Rates:
     """The simulation's rates measured on ``run_dirs``: the runs at ``calibration_lrs`` that did not fail
-    (blocks: lr and seed; configurations: instability.role6 or the run's name), and the divergence steps of the
-    Pre-Norm runs (norm_scheme pre) at ``failure_lr``."""
+    (blocks: lr and seed; configurations: ``_configuration``), and the divergence steps of the Pre-Norm runs
+    (norm_scheme pre) at ``failure_lr``. Spike events by claim_stats.spike_events with ``spike_smooth`` (the
+    learning study's analysis: learning_params.SPIKE_SMOOTH; DEFAULT_RATES were measured with 0)."""
     runs = [r.in_unit("bits") for r in read_runs(run_dirs)]
     calib, failures = [], []
     for r in runs:
@@ -170,7 +172,7 @@ def measure_rates(run_dirs: Sequence[str | Path | RunMetrics], calibration_lrs: 
     events, shared, recovered, steps, n_casc = 0, 0, 0, 0, 0
     batch, pair = [], []
     for members in by_block.values():
-        spikes = {id(r): spike_events(r) for r, *_ in members}
+        spikes = {id(r): spike_events(r, smooth=spike_smooth) for r, *_ in members}
         res = {id(r): _residual(logged(r, "loss")[1]) for r, *_ in members}
         for r, _, _, _ in members:
             others = [e.step for o, *_ in members if o is not r for e in spikes[id(o)]]

@@ -3,6 +3,7 @@
     python -m musiclm_stab.analysis.power_runs --out DIR [--seeds 6 8 10] [--studies 200] [--rates FILE] [--seed 0]
         [--dead ROLE=P:FIRST:LAST ...]
     python -m musiclm_stab.analysis.power_runs --measure RUN_DIR_OR_FOLDER ... --out DIR [--calibration-lrs ...]
+        [--spike-smooth N]
 
 Each simulated study is a set of runs of the design (analysis/learning.py): per run a metrics series as the
 trainer logs it, every step, held as the ``RunMetrics`` that ``runs.read_run`` makes of its run directory
@@ -543,6 +544,10 @@ def cli_main(argv: list[str] | None = None) -> int:
                         "(e.g. deepnorm=1.0:300:700; repeatable)")
     p.add_argument("--calibration-lrs", type=float, nargs="+", default=[3e-3, 1e-2],
                    help="with --measure: the lrs of the calibration runs")
+    p.add_argument("--spike-smooth", type=int, default=learning_params.SPIKE_SMOOTH, metavar="N",
+                   help="with --measure: spike events' level from the trailing N-step median, as the learning "
+                        f"study's analysis reads them (default {learning_params.SPIKE_SMOOTH}; 0: single steps, as the "
+                        "instability study read them)")
     args = p.parse_args(argv)
     if args.studies < 1 or min(args.seeds) < 1 or args.jobs < 1:
         p.error("--studies, --seeds and --jobs must be >= 1")
@@ -550,7 +555,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     command = "python -m musiclm_stab.analysis.power_runs " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         if args.measure:
-            rates = measure_rates(args.measure, args.calibration_lrs, source=command)
+            rates = measure_rates(args.measure, args.calibration_lrs, source=command, spike_smooth=args.spike_smooth)
             out.mkdir(parents=True, exist_ok=True)
             (out / "rates.json").write_text(json.dumps(asdict(rates), indent=2) + "\n")
             print((out / "rates.json").read_text())
