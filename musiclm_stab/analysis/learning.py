@@ -368,11 +368,15 @@ def control_of(blocks: Blocks, layers: int = CLAIMS_LAYERS, lr: float | None = N
     ds = (survived["post_w"] - survived["post_nw"]) - (survived["pre_w"] - survived["pre_nw"])
     survival = MarginPart.paired("survival interaction (steps): (Post-LN warmup - no warmup) - (Pre-LN warmup - "
                                  "no warmup)", ds, DELTA_STEPS)
+    seen = bool(survival.p < ALPHA and survival.estimate > 0)
+
+    def means(values: dict[str, np.ndarray]) -> dict[str, float]:
+        return {c: float(v.mean()) if len(v) else math.nan for c, v in values.items()}
+
     return {"layers": layers, "lr": L if lr is None else lr, "roles": roles, "seeds": seeds, "part": part,
-            "survival": survival, "survived": {c: float(v.mean()) if len(v) else math.nan for c, v in survived.items()}, "survival_detects": bool(survival.p < ALPHA and survival.estimate > 0),
-            "survival_absent": bool(not (survival.p < ALPHA and survival.estimate > 0) and survival.p_tost < ALPHA),
-            "interaction": [float(x) for x in d],
-            "cells": {c: float(v.mean()) if len(v) else math.nan for c, v in cells.items()},
+            "survival": survival, "survived": means(survived), "survival_detects": seen,
+            "survival_absent": bool(not seen and survival.p_tost < ALPHA), "interaction": [float(x) for x in d],
+            "cells": means(cells),
             "failed": {c: sum(blocks[s][r].kind in ("diverged", "dead input") for s in seeds) for c, r in roles.items()},
             "detects": detects, "absent": bool(not detects and part.p_tost < ALPHA)}
 
