@@ -234,3 +234,34 @@ def test_the_simulated_batch_scatter_grows_with_the_fall():
     sd = lambda parts: float(np.std(np.concatenate(parts)))  # noqa: E731
     assert sd(early) < 0.5 * sd(late)
     assert sd(late) == pytest.approx(math.hypot(2.76, 1.76) * math.sqrt(8 / 9), rel=0.1)
+
+
+def test_the_committed_rates_and_power_recompute_from_the_archives(tmp_path):
+    """docs/learning_cpu/rates.json is what --measure finds on the committed archives (the pilots of the claims
+    arm's schedule at L and the mechanism pilots, the calibration, the instability study's runs at 1e-1), and both
+    power tables (power/: the pilots' dead-input scenario, power_alive/: none), committed with it before the
+    study's runs, were drawn from those rates at the design's L, H and DELTA_EARLY."""
+    docs = REPO / "docs" / "learning_cpu"
+    unpack(docs / "pilots.tar.xz", tmp_path)
+    unpack(docs / "calibration.tar.xz", tmp_path)
+    unpack(REPO / "docs" / "instability_cpu" / "runs.tar.xz", tmp_path,
+           lambda name: name.startswith("instability_cpu/") and "_lr1e-1_" in name)
+    pilots = tmp_path / "learning_pilots"  # the claims arm's schedule at L, 8 layers, and the mechanism pilots
+    four = ("prenorm_clip1_run2", "prenorm_clip10_run1", "prenorm_attnrelax_clip1", "postnorm_deepnorm_clip1")
+    folders = [*(pilots / f"study_{r}_tiny_lr3e-3_s301" for r in four), *sorted(pilots.glob("mech_*")),
+               tmp_path / "learning_calibration", tmp_path / "instability_cpu"]
+    measured = asdict(power_rates.measure_rates(folders, calibration_lrs=[learning_params.L],
+                                                spike_smooth=learning_params.SPIKE_SMOOTH))
+    committed = json.loads((docs / "rates.json").read_text())
+    measured.pop("source"), committed.pop("source")
+    measured_steps = measured.pop("pre_ln_failure_steps")
+    assert measured_steps == committed.pop("pre_ln_failure_steps")
+    assert measured == pytest.approx(committed, rel=1e-9)
+    design = {"L": learning_params.L, "H": learning_params.H, "DELTA_EARLY": learning_params.DELTA_EARLY,
+              "MECH_STEPS": learning_params.MECH_STEPS}
+    for scenario in ("power", "power_alive", "power_same"):
+        table = json.loads((docs / scenario / "power_runs.json").read_text())
+        rates = {k: v for k, v in table["rates"].items() if k != "source"}
+        assert rates.pop("pre_ln_failure_steps") == measured_steps
+        assert rates == pytest.approx(committed, rel=1e-12)
+        assert {k: table["design"][k] for k in design} == design
