@@ -1,0 +1,80 @@
+"""The learning study's carried runs (docs/learning_cpu/runs.tar.xz): what the study trained, in pieces, from the
+worktree frozen at its pre-registration, carried without checkpoints (docs/STUDY.md, "Runs, in pieces")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from archives import unpack
+
+from musiclm_stab.experiments.study_plan import LEARNING_ROLES, LEARNING_SEEDS, plan_study
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "learning_cpu"
+DATA = "work/hours256_tokens"  # the path the study's runs trained on (recorded in each config.yaml)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> dict:
+    """The registered plan (its default seeds, both arms), planned once: run folder name -> resolved config."""
+    study = plan_study("cpu", tmp_path_factory.mktemp("planned"), data=DATA, design="learning")
+    return {r.config().run_dir.name: (r.stem, r.config()) for r in study.runs}
+
+
+@pytest.fixture(scope="module")
+def carried(tmp_path_factory) -> Path:
+    """docs/learning_cpu/runs.tar.xz unpacked once for this module's tests."""
+    root = tmp_path_factory.mktemp("carried")
+    unpack(DOCS / "runs.tar.xz", root)
+    return root
+
+
+def test_the_carried_learning_runs_are_finished_runs_of_the_registered_plan(carried, planned):
+    """Each carried run is a run of the registered plan (96: 5 mechanism and 7 claims roles at seeds 0-7) with
+    exactly the plan's config, trained to its last step or ended by the loss-scale floor, timed; the folder's
+    data.json names the codes the pilots and the calibration trained on; nothing else is in the archive. The
+    mechanism arm is in before any claims run (it ran first)."""
+    from musiclm_stab.analysis.runs import read_run
+    from musiclm_stab.experiments.launch import same_config
+
+    assert len(planned) == (5 + 7) * LEARNING_SEEDS["cpu"] == 96
+    assert [d.name for d in carried.iterdir()] == ["learning_cpu"]
+    folder = carried / "learning_cpu"
+    codes = json.loads((folder / "data.json").read_text())
+    pilots = json.loads(_member(DOCS / "pilots.tar.xz", "learning_pilots/data.json"))
+    assert codes == pilots == {"data": DATA, "codes_sha256": codes["codes_sha256"]}
+    runs = sorted(d for d in folder.iterdir() if d.is_dir())
+    assert sorted(f.name for f in folder.iterdir() if not f.is_dir()) == ["data.json"]
+    assert runs and all(d.name in planned for d in runs)
+    arm = {name: LEARNING_ROLES[stem][0] for name, (stem, _) in planned.items()}
+    if any(arm[d.name] == "claims" for d in runs):
+        assert sum(arm[d.name] == "mechanism" for d in runs) == 40
+    for d in runs:
+        assert sorted(f.name for f in d.iterdir()) == ["config.yaml", "metrics.jsonl", "study_time.json",
+                                                       "tokenizer.json"], d
+        timed = json.loads((d / "study_time.json").read_text())
+        assert timed["wall_s"] > 0 and timed["jobs"] >= 1, d
+        cfg = planned[d.name][1]
+        assert same_config(d, cfg), d
+        run = read_run(d)
+        assert run.last_step == cfg.train.max_steps or run.diverged_at is not None, d
+
+
+def test_the_carried_runs_are_listed_in_study_md(carried):
+    """docs/STUDY.md's "Runs, in pieces" of the learning study ends with the number of runs the archive holds."""
+    n = sum(d.is_dir() for d in (carried / "learning_cpu").iterdir())
+    text = (REPO / "docs" / "STUDY.md").read_text().split("## The learning study (issue 55)", 1)[1]
+    pieces = text.split("### Runs, in pieces", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in pieces.splitlines() if line.startswith("| 2026")]
+    assert rows and f"{n} of 96" in rows[-1]
+
+
+def _member(archive: Path, name: str) -> str:
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        f = tar.extractfile(name)
+        assert f is not None, name
+        return f.read().decode()
