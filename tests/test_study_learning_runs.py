@@ -34,7 +34,7 @@ def carried(tmp_path_factory) -> Path:
 def test_the_carried_learning_runs_are_finished_runs_of_the_registered_plan(carried, planned):
     """Each carried run is a run of the registered plan (96: 5 mechanism and 7 claims roles at seeds 0-7) with
     exactly the plan's config, trained to its last step or ended by the loss-scale floor, timed; the folder's
-    data.json names the codes the pilots and the calibration trained on; nothing else is in the archive. The
+    data.json names the codes the pilots trained on; nothing else is in the archive. The
     mechanism arm is in before any claims run (it ran first)."""
     from musiclm_stab.analysis.runs import read_run
     from musiclm_stab.experiments.launch import same_config
