@@ -15,3 +15,12 @@ def unpack(archive: Path, dest: Path, keep: Callable[[str], bool] | None = None)
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if keep is None or keep(m.name)]
         tar.extractall(dest, members=members, **safe)
+
+
+def by_name(claims: dict) -> dict:
+    """``claims`` (a claims.json's content) with every run folder reduced to its name, so that claims computed in
+    one place compare equal to claims computed in another (``run_dirs`` sorted, each run's ``path``); in place."""
+    claims["run_dirs"] = sorted(Path(p).name for p in claims["run_dirs"])
+    for r in claims["runs"]:
+        r["path"] = Path(r["path"]).name
+    return claims
