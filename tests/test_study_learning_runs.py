@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from archives import unpack
+from archives import by_name, unpack
 
 from musiclm_stab.experiments.study_plan import LEARNING_ROLES, LEARNING_SEEDS, plan_study
 
@@ -69,6 +69,48 @@ def test_the_carried_runs_are_listed_in_study_md(carried):
     pieces = text.split("### Runs, in pieces", 1)[1].split("\n#", 1)[0]
     rows = [line for line in pieces.splitlines() if line.startswith("| 2026")]
     assert rows and f"{n} of 96" in rows[-1]
+
+
+def test_the_learning_result_recomputes_from_the_archive_and_is_quoted_as_it_is(carried, planned, tmp_path):
+    """docs/learning_cpu/figures/ holds what the analysis decided from all 96 runs: claims.md and claims.json are
+    what analysis.learning computes again from the archive, and docs/STUDY.md carries the table between its
+    markers. Its result states the positive control's outcome (primary, then secondary) before the learned share
+    and the claims, each claim's and mechanism check's verdict as claims.json has it, and the share that learned
+    (issue 55: at least half of the claims runs that did not fail)."""
+    from musiclm_stab.analysis.learning import DOC_BEGIN, DOC_END, write_claims
+
+    figures = DOCS / "figures"
+    claims = json.loads((figures / "claims.json").read_text())
+    folder = carried / "learning_cpu"
+    assert sorted(d.name for d in folder.iterdir() if d.is_dir()) == sorted(planned)  # all 96
+    md, js = write_claims([folder], tmp_path / "again", claims["levels"]["unigram_eval_cb0"])
+    assert md.read_text() == (figures / "claims.md").read_text()
+    assert by_name(json.loads(js.read_text())) == by_name(claims)
+    summary = json.loads((figures / "summary.json").read_text())
+    assert sorted(r["run"] for r in summary) == sorted(planned)
+
+    share = claims["learned_share"]
+    assert share["learned"] >= share["of"] / 2
+    study = (REPO / "docs" / "STUDY.md").read_text()
+    table = study.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
+    assert table.strip() == (figures / "claims.md").read_text().strip()
+    result = study.split("## The learning study (issue 55)", 1)[1].split("### The result: all 96 runs", 1)[1]
+    result = result.split(DOC_BEGIN, 1)[0]
+
+    control = claims["control"]
+    primary = ("**The positive control " + ("detects" if control["detects"] else "does not detect")
+               + " the literature's effect")
+    absent = "the effect is **absent at this scale**" if control["absent"] else "**inconclusive**"
+    secondary = ("**detects** the literature's direction" if control["survival_detects"]
+                 else "does not detect the literature's direction")
+    learned = f"{share['learned']} of the claims arm's {share['of']} runs that neither diverged nor lost their input"
+    order = [primary, absent, secondary, "**The models learn.**", learned, "**The claims**"]
+    order += [f"- ({c['key']}) **{c['verdict']}**" for c in claims["claims"]]
+    order += ["**The mechanism checks**"]
+    order += [f"- ({c['key']}) **{c['verdict']}**" for c in claims["mechanism"]["checks"]]
+    at = [result.find(phrase) for phrase in order]
+    assert all(i >= 0 for i in at), [phrase for phrase, i in zip(order, at) if i < 0]
+    assert at == sorted(at), "the result states the control first, then the learned share, claims and checks"
 
 
 def _member(archive: Path, name: str) -> str:
