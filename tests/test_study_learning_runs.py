@@ -112,6 +112,21 @@ def test_the_learning_result_recomputes_from_the_archive_and_is_quoted_as_it_is(
     assert all(i >= 0 for i in at), [phrase for phrase, i in zip(order, at) if i < 0]
     assert at == sorted(at), "the result states the control first, then the learned share, claims and checks"
 
+    # the front door quotes the same result
+    verdicts = {c["key"]: c["verdict"] for c in claims["claims"] + claims["mechanism"]["checks"]}
+    assert verdicts == {"a": "absent", "b": "not testable at this scale", "c": "inconclusive", "d": "inconclusive",
+                        "M1": "reproduced", "M2": "reproduced", "M3": "inconclusive"}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    quoted = [f"{share['learned']} of the {share['of']} claims runs that did not fail",
+              "primary endpoint (warmup × Pre/Post-LN in bits, Xiong et al.) "
+              + ("**detects**" if control["detects"] else "**does not detect**"),
+              "the secondary endpoint " + ("**detects**" if control["survival_detects"] else "does not detect"),
+              f"p {control['survival']['p']:.2g})",
+              "Claim (a) is **absent**", f"Holm-adjusted TOST p {claims['claims'][0]['p_tost_adjusted']:.3g})",
+              "(b) is **not testable at this scale**", "(c) and (d) are **inconclusive**",
+              "M1 and M2 **reproduced**", "(M3) is **inconclusive**"]
+    assert [q for q in quoted if q not in readme] == []
+
 
 def _member(archive: Path, name: str) -> str:
     import tarfile
