@@ -308,23 +308,17 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     wall time of each run and of the whole study, and the CPU time of the runs. Each finished run also
     gets RUN/study_time.json (its launch's wall time, the jobs and threads it ran with, whether it resumed
     from a checkpoint, the ``machine``), which travels with the run; ``timing.json`` gathers these of every
-    run of the study (``run_times``) and sums wall time / jobs over them (``run_wall_s_over_jobs``): the training time of a study run in
-    pieces, where each piece alone times only the runs it trained. ``probe``: ``probe_study``
-    before the figures, so the claims table has the best-layer pitch mAP of seed 0 of each configuration;
-    needs the corpus's labels.jsonl. ``probe_every_first_seed``: the probes' ``every_first_seed``.
+    run of the study (``run_times``) and sums wall time / jobs over them (``run_wall_s_over_jobs``): the
+    training time of a study run in pieces, where each piece alone times only the runs it trained.
+    ``probe``: ``probe_study`` before the figures, so the claims table has the best-layer pitch mAP of seed 0
+    of each configuration; needs the corpus's labels.jsonl. ``probe_every_first_seed``: the probes'
+    ``every_first_seed``.
     """
-    from musiclm_stab.analysis.claims import write_claims
-    from musiclm_stab.analysis.instability import write_claims as write_instability_claims
-    from musiclm_stab.analysis.instability import write_failures
-    from musiclm_stab.analysis.lr_figure import save_lr_figure
-    from musiclm_stab.analysis.plot import plot_runs, run_label
-    from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
+    from musiclm_stab.analysis.unigram import unigram_eval_loss
 
     accelerate = accelerate or accelerate_executable()
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    from musiclm_stab.analysis.unigram import unigram_eval_loss
-
     configs = [run.config() for run in study.runs]
     for cfg in configs:  # refuse before training anything
         if run_state(cfg) == "other":
@@ -335,6 +329,41 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
     # the level every run's held-out codebook-0 loss is judged against (the same data, split and masks)
     unigram = unigram_eval_loss(configs[0])["unigram_eval_cb0"]
     print(f"held-out unigram level (codebook 0, training split's frequencies): {unigram:.3f} bits", flush=True)
+    t0 = time.time()
+    rows, walls, train_wall, train_cpu = _train_runs(study, configs, accelerate, threads, jobs, unigram)
+
+    run_dirs = [cfg.run_dir for cfg in configs]
+    t_probe = time.time()
+    written = [probe_study(study, jobs=jobs, every_first_seed=probe_every_first_seed)] if probe else []
+    probe_wall = time.time() - t_probe
+    written += _figures_and_claims(study, run_dirs, [rows[i] for i in range(len(configs))], unigram, formats)
+    timing = {"scale": study.scale, "runs": len(configs), "jobs": jobs, "threads_per_run": threads,
+              "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1),
+              "probe_wall_s": round(probe_wall, 1) if probe else None,
+              "total_wall_s": round(time.time() - t0, 1), "run_wall_s": {k: round(v, 1) for k, v in walls.items()}}
+    # every run's own record, also of runs trained by earlier pieces (here or on another machine)
+    timing["run_times"] = every = run_times(run_dirs)
+    timing["runs_timed"] = len(every)
+    timing["run_wall_s_over_jobs"] = round(sum(r["wall_s"] / r["jobs"] for r in every.values()), 1)
+    # a resumed run's record is the launch that finished it: the launches before it are not in the sum
+    timing["runs_resumed"] = sorted(name for name, r in every.items() if r.get("resumed"))
+    (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+    print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
+          f"{train_cpu / 60:.1f} min CPU). Figures:")
+    for path in written:
+        if path.suffix in (".png", ".md"):
+            print(f"  {path}")
+    return written
+
+
+def _train_runs(study: Study, configs: list, accelerate: str, threads: int | None, jobs: int,
+                unigram: float) -> tuple[dict[int, dict], dict[str, float], float, float]:
+    """Launch the study's runs ``jobs`` at a time (a finished run is read, one with the same config resumed);
+    return each run's summary by index, the wall time of each run launched here, and the wall and CPU time of
+    the launches. A launch that fails without diverging stops the others and raises CalledProcessError."""
+    from musiclm_stab.analysis.plot import run_label
+    from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
+
     stalls, margin = study.assesses_stalls, study.stall_margin
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads is not None:
@@ -416,50 +445,48 @@ def run_study(study: Study, accelerate: str | None = None, threads: int | None =
             if proc.poll() is not None:
                 del active[i]
                 finish(i, proc, started, log)
-    train_wall, train_cpu = time.time() - t0, _children_cpu_s() - cpu0
+    return rows, walls, time.time() - t0, _children_cpu_s() - cpu0
 
-    run_dirs = [cfg.run_dir for cfg in configs]
-    summary = [rows[i] for i in range(n)]
-    t_probe = time.time()
-    written = [probe_study(study, jobs=jobs, every_first_seed=probe_every_first_seed)] if probe else []
-    probe_wall = time.time() - t_probe
+
+def _figures_and_claims(study: Study, run_dirs: list[Path], summary: list[dict], unigram: float,
+                        formats: tuple[str, ...]) -> list[Path]:
+    """The study's figures, summary.json and its design's claims table (or, for an arm outside the claims, its
+    description) in ``study.figures_dir``; the written files."""
+    from musiclm_stab.analysis.lr_figure import save_lr_figure
+    from musiclm_stab.analysis.plot import plot_runs
+
+    stalls, margin = study.assesses_stalls, study.stall_margin
     print(f"\n=== figures and claims -> {study.figures_dir}", flush=True)
     shown_runs = [run.config().run_dir for run in figure_runs(study)] or run_dirs
-    written += plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats,
-                         unigram_eval_cb0=unigram if stalls else None,
-                         **({"stall_margin": margin} if margin is not None else {}))
+    written = plot_runs(shown_runs, study.figures_dir, window=study.window, bands=True, extra=True, formats=formats,
+                        unigram_eval_cb0=unigram if stalls else None,
+                        **({"stall_margin": margin} if margin is not None else {}))
     if study.lrs:
         written += save_lr_figure(run_dirs, study.figures_dir, unigram_eval_cb0=unigram, formats=formats, stalls=stalls)
     (study.figures_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
     try:
-        claims = write_claims
-        if study.design == "instability":  # an arm outside the claims is described, not decided
-            claims = write_instability_claims if study.arm == "schemes" else write_failures
-        elif study.design == "learning":
-            from musiclm_stab.analysis.learning import write_claims as claims
-        md, js = claims(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
+        md, js = _claims_writer(study)(run_dirs, study.figures_dir, unigram_eval_cb0=unigram)
         written += [md, js]
         print("\n" + md.read_text())
     except ValueError as e:  # e.g. a study of fewer configurations: figures without the claims table
-        warnings.warn(f"no claims table: {e}", stacklevel=2)
-    timing = {"scale": study.scale, "runs": n, "jobs": jobs, "threads_per_run": threads,
-              "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1),
-              "probe_wall_s": round(probe_wall, 1) if probe else None,
-              "total_wall_s": round(time.time() - t0, 1), "run_wall_s": {k: round(v, 1) for k, v in walls.items()}}
-    # every run's own record, also of runs trained by earlier pieces (here or on another machine)
-    timing["run_times"] = every = run_times(run_dirs)
-    timing["runs_timed"] = len(every)
-    timing["run_wall_s_over_jobs"] = round(sum(r["wall_s"] / r["jobs"] for r in every.values()), 1)
-    # a resumed run's record is the launch that finished it: the launches before it are not in the sum
-    timing["runs_resumed"] = sorted(name for name, r in every.items() if r.get("resumed"))
-    (study.figures_dir / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-    print(f"\nstudy done in {(time.time() - t0) / 60:.1f} min (training {train_wall / 60:.1f} min wall, "
-          f"{train_cpu / 60:.1f} min CPU). Figures:")
-    for path in written:
-        if path.suffix in (".png", ".md"):
-            print(f"  {path}")
+        warnings.warn(f"no claims table: {e}", stacklevel=3)
     return written
+
+
+def _claims_writer(study: Study):
+    """The analysis that decides (or, for an arm outside the claims, describes) the study's design."""
+    if study.design == "instability":
+        from musiclm_stab.analysis.instability import write_claims, write_failures
+
+        return write_claims if study.arm == "schemes" else write_failures
+    if study.design == "learning":
+        from musiclm_stab.analysis.learning import write_claims
+
+        return write_claims
+    from musiclm_stab.analysis.claims import write_claims
+
+    return write_claims
 
 
 def _layers_lr(text: str) -> tuple[int, float]:
