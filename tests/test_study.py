@@ -37,6 +37,7 @@ from musiclm_stab.experiments.study_plan import (
     recipe_path,
 )
 from musiclm_stab.host import machine
+from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -303,6 +304,35 @@ def test_a_run_that_diverges_under_accelerate_launch_is_a_result(tokenized_datas
     assert read_run(study.runs[0].config().run_dir).diverged_at == 0
     summary = json.loads((study.figures_dir / "summary.json").read_text())
     assert [r["diverged_at"] for r in summary] == [0], out[-2000:]
+
+
+@pytest.mark.parametrize("status", [2, EXIT_DIVERGED])
+def test_a_launch_that_fails_without_diverging_stops_the_study_and_its_other_runs(tokenized_dataset, tmp_path,
+                                                                                  status):
+    """A launch that exits with an error and no loss-scale floor in its metrics is not a result: the study stops
+    the run training beside it (jobs 2) and raises the failed launch's error, leaving no process behind; so it
+    does when the launch exits with the diverged status but left no run to read. The launcher here is a
+    stand-in for `accelerate launch` (the failure of a real one is the trainer's business): it keeps the first
+    run busy and fails the second at once."""
+    import random
+
+    study = plan_study("gpu", tmp_path / "runs", tokenized_dataset, steps=3, extra=TINY, lrs=(1e-3,), control=False,
+                       only=("study_prenorm_clip10_run1", "study_prenorm_clip1_run2"))
+    busy, failing = (run.config().run_dir.name for run in study.runs)
+    wait = f"{600 + random.random():.6f}"  # a sleep no other process on this machine runs
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text(f'#!/bin/sh\ncase "$*" in *{busy}*) exec sleep {wait};; esac\nexit {status}\n')
+    launcher.chmod(0o755)
+    if status == EXIT_DIVERGED:
+        with pytest.raises(FileNotFoundError, match=f"{failing} does not exist"):
+            run_study(study, accelerate=str(launcher), jobs=2, formats=())
+    else:
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            run_study(study, accelerate=str(launcher), jobs=2, formats=())
+        assert failed.value.returncode == status and failing in " ".join(failed.value.cmd)
+    left = subprocess.run(["pgrep", "-f", f"sleep {wait}"], capture_output=True, text=True)
+    assert left.returncode == 1, left.stdout  # 1: no such process
+    assert not (study.figures_dir / "summary.json").exists()  # nothing drawn or decided from an incomplete study
 
 
 @pytest.mark.slow

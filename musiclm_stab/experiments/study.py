@@ -360,7 +360,8 @@ def _train_runs(study: Study, configs: list, accelerate: str, threads: int | Non
                 unigram: float) -> tuple[dict[int, dict], dict[str, float], float, float]:
     """Launch the study's runs ``jobs`` at a time (a finished run is read, one with the same config resumed);
     return each run's summary by index, the wall time of each run launched here, and the wall and CPU time of
-    the launches. A launch that fails without diverging stops the others and raises CalledProcessError."""
+    the launches. A launch that fails without diverging raises CalledProcessError; on any error the launches
+    still running are stopped first."""
     from musiclm_stab.analysis.plot import run_label
     from musiclm_stab.training.checkpoint import checkpoint_step, newest_valid
 
@@ -410,12 +411,6 @@ def _train_runs(study: Study, configs: list, accelerate: str, threads: int | Non
         # A diverged run (fp16 loss scale at its floor) is a result. recipes/pretrain.py exits with EXIT_DIVERGED, but
         # `accelerate launch` turns any failure of its child into exit 1: the run's metrics say whether it diverged.
         if proc.returncode not in (0, EXIT_DIVERGED) and not _diverged(configs[i].run_dir):
-            for other, (p, _, lg) in active.items():  # stop the others: the study is incomplete anyway
-                if other != i and p.poll() is None:
-                    p.terminate()
-                    p.wait()
-                if lg is not None:
-                    lg.close()
             raise subprocess.CalledProcessError(proc.returncode, proc.args)
         cfg = configs[i]
         rows[i] = r = summarize(cfg.run_dir, unigram_eval_cb0=unigram, stalls=stalls, stall_margin=margin)
@@ -432,19 +427,27 @@ def _train_runs(study: Study, configs: list, accelerate: str, threads: int | Non
             flush=True,
         )
 
-    while pending or active:
-        while pending and len(active) < jobs:
-            start(pending.pop(0))
-        if jobs == 1:
-            for proc, _, _ in active.values():
+    try:
+        while pending or active:
+            while pending and len(active) < jobs:
+                start(pending.pop(0))
+            if jobs == 1:
+                for proc, _, _ in active.values():
+                    proc.wait()
+            else:
+                time.sleep(0.5)
+            for i in list(active):
+                proc, started, log = active[i]
+                if proc.poll() is not None:
+                    del active[i]
+                    finish(i, proc, started, log)
+    finally:  # a launch failed, or reading a run did: stop the others, the study is incomplete anyway
+        for proc, _, log in active.values():
+            if proc.poll() is None:
+                proc.terminate()
                 proc.wait()
-        else:
-            time.sleep(0.5)
-        for i in list(active):
-            proc, started, log = active[i]
-            if proc.poll() is not None:
-                del active[i]
-                finish(i, proc, started, log)
+            if log is not None:
+                log.close()
     return rows, walls, time.time() - t0, _children_cpu_s() - cpu0
 
 
