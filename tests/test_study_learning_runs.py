@@ -128,6 +128,59 @@ def test_the_learning_result_recomputes_from_the_archive_and_is_quoted_as_it_is(
     assert [q for q in quoted if q not in readme] == []
 
 
+def test_the_headline_numbers_follow_from_the_raw_metrics_by_scipy(carried):
+    """Independently of the analysis's endpoints and tests: from the archive's metrics.jsonl alone, with
+    scipy's exact Wilcoxon, the control's interaction (both plain Post-LN cells at their cap, the first logged
+    codebook-0 loss, as they lost their input in every seed), claim (a)'s early-loss differences and M1/M2's
+    steps survived give the numbers claims.json (and the text) state."""
+    import numpy as np
+    from scipy.stats import wilcoxon
+
+    folder = carried / "learning_cpu"
+    claims = json.loads((DOCS / "figures" / "claims.json").read_text())
+
+    def logged(name: str, key: str) -> list:
+        rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r[key]) for r in rows if key in r]
+
+    def final_cb0(name: str) -> float:
+        return logged(name, "eval/acoustic_mlm_loss/cb0")[-1][1]
+
+    def early(name: str) -> float:  # the mean training loss over the first quarter of the 1000 steps
+        return float(np.mean([v for step, v in logged(name, "loss") if step <= 250]))
+
+    def tost(d: list, margin: float) -> float:
+        d = np.asarray(d)
+        return max(wilcoxon(d + margin, alternative="greater", method="exact").pvalue,
+                   wilcoxon(d - margin, alternative="less", method="exact").pvalue)
+
+    run = "{}_tiny_lr{}_s{}".format
+    interaction, a, m1, m2 = [], [], [], []
+    for s in range(8):
+        post_w, post_nw = run("control_postnorm_clip1_warmup", "3e-3", s), run("control_postnorm_clip1_nowarmup",
+                                                                                  "3e-3", s)
+        pre_w, pre_nw = run("study_prenorm_clip1_run2", "3e-3", s), run("control_prenorm_clip1_nowarmup", "3e-3", s)
+        cap = {name: logged(name, "acoustic_mlm_loss/cb0")[0][1] for name in (post_w, post_nw)}
+        interaction.append((cap[post_nw] - cap[post_w]) - (final_cb0(pre_nw) - final_cb0(pre_w)))
+        a.append(early(pre_w) - early(run("study_prenorm_clip10_run1", "3e-3", s)))
+        last = {name: logged(name, "loss")[-1][0] for name in (
+            run(f"mech_prenorm_clip1_{arm}", "1e-1", s) for arm in ("fp16", "warmup30", "fp32"))}
+        fp16, warmup, fp32 = last.values()
+        m1.append(warmup - fp16)
+        m2.append(fp32 - fp16)
+    control = claims["control"]["part"]
+    assert control["estimate"] == pytest.approx(float(np.median(interaction)), abs=1e-9)
+    assert control["p"] == pytest.approx(wilcoxon(interaction, method="exact").pvalue)
+    assert control["p_tost"] == pytest.approx(tost(interaction, 0.1))
+    (part,) = claims["claims"][0]["parts"]
+    assert part["estimate"] == pytest.approx(float(np.median(a)), abs=1e-6)
+    assert part["p"] == pytest.approx(wilcoxon(a, method="exact").pvalue)
+    assert part["p_tost"] == pytest.approx(tost(a, 0.694))
+    for check, d in zip(claims["mechanism"]["checks"], (m1, m2)):
+        (part,) = check["parts"]
+        assert (part["estimate"], part["p"]) == (np.median(d), pytest.approx(wilcoxon(d, method="exact").pvalue))
+
+
 def _member(archive: Path, name: str) -> str:
     import tarfile
 
