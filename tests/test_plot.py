@@ -583,9 +583,24 @@ def test_extra_figures_codebooks_attention_logits_and_held_out(tmp_path):
     eval_axes = [ax for ax in figs["eval"].axes if ax.get_visible()]
     assert len(eval_axes) == 3 and all(len(run_lines(ax)[0].get_xdata()) == 7 for ax in eval_axes)
     assert "Held-out Loss (bits)" in eval_axes[0].get_title()
+    assert [ax.get_xscale() for ax in eval_axes] == ["linear"] * 3  # evaluations evenly spaced, from the first
     # Without diagnostics or held-out rows those figures are left out, silently (the study's four stay).
     plain = make_figures([write_run(tmp_path, "plain", make_config(), synthetic_rows(50, 1))], extra=True)
     assert "max_attn_logit" not in plain and "eval" not in plain and "loss" in plain
+
+
+def test_the_legend_below_several_panels_fits_the_figure(tmp_path):
+    """A figure of several panels has one legend below them, in as many columns (at most 3) as fit its width:
+    long entries (a failure's steps and seeds in each) no longer run past the right edge of the saved file."""
+    dirs = _seed_runs(tmp_path, seeds=1, steps=30)
+    for labels, columns in ((None, 2), (["Post-Norm | DeepNorm | Gradient Clip=1 (dead input at 274-781, 7 of 8 "
+                                         f"seeds) and more words to make it long {k}" for k in range(2)], 1)):
+        fig = make_figures(dirs, labels=labels, extra=True)["eval"]
+        fig.canvas.draw()
+        (legend,) = fig.legends
+        assert 0 <= legend.get_window_extent().x0 and legend.get_window_extent().x1 <= fig.bbox.width
+        rows = {round(t.get_window_extent().y0) for t in legend.get_texts()}
+        assert len(legend.get_texts()) == 2 and len(rows) == 2 // columns  # side by side when they fit
 
 
 def test_cli_plot_bands_and_extra(tmp_path, capsys):

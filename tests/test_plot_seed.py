@@ -243,6 +243,20 @@ def test_cli_plot_unigram(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--unigram: invalid float value: 'low'" in capsys.readouterr().err
 
 
+def test_cli_plot_stall_margin(tmp_path):
+    """`--stall-margin BITS` sets how far below the unigram level a run must end not to be drawn as stalled: a
+    run 0.08 bits below it is healthy at the default 0.05 and stalled at the learning study's 0.1 (the star's
+    gid in the SVG)."""
+    rows = synthetic_rows(100, 10)
+    rows[-1]["eval/acoustic_mlm_loss/cb0"] = UNIGRAM - 0.08
+    run = write_run(tmp_path, "near", make_config(), rows)
+    for margin, stalled in ((None, False), ("0.1", True)):
+        out = tmp_path / f"figs{margin}"
+        argv = ["plot", str(run), "--out", str(out), "--unigram", str(UNIGRAM), "--format", "svg"]
+        assert cli.main(argv + (["--stall-margin", margin] if margin else [])) == 0
+        assert ('id="failure:stalled:near"' in (out / "loss.svg").read_text()) is stalled, margin
+
+
 # --- the lr figure: failures by kind -------------------------------------------------------------------------
 
 

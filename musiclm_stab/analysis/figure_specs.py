@@ -31,7 +31,9 @@ information quantity: "bits" there means divided by ln 2 as fairseq logs it, hen
   max_attn_logit.png               largest attention logit |q.k|/sqrt(d) over the layers (diagnostics_every)
   max_attn_logit_layers.png        the same, one panel per layer
   eval.png                         held-out loss, musical MLM loss, codebook-0 CE (train.eval_every), as
-                                   evaluated: neither smoothed nor averaged over windows
+                                   evaluated: neither smoothed nor averaged over windows; linear steps,
+                                   the evaluations evenly spaced (a log axis from step 0 would leave the
+                                   span before the first evaluation, most of its width, empty)
   loss_scale_log.png               fp16's loss scale, log-scaled
 """
 
@@ -129,9 +131,9 @@ def extra_figures(runs: Sequence[RunMetrics], unit: str) -> dict[str, tuple[list
         ),
         "eval": (
             [FigureSpec("eval_loss", "eval/loss", f"Held-out Loss ({unit})", False),
-             FigureSpec("eval_musical", "eval/musical_mlm_loss", f"Held-out Musical MLM Loss ({mse})", True),
+             FigureSpec("eval_musical", "eval/musical_mlm_loss", f"Held-out Musical MLM Loss ({mse})", False),
              FigureSpec("eval_cb0", "eval/acoustic_mlm_loss/cb0", f"Held-out Acoustic MLM Loss on Codebook-0 ({unit})",
-                        True)],
+                        False)],
             "Held-out evaluation (fixed batches of the held-out tracks)",
         ),
     }

@@ -102,9 +102,19 @@ def draw_figure(
     if n > 1:
         if title:
             fig.suptitle(title, fontsize=11)
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=8,
-                   framealpha=0.9)
+        _legend_below(fig, handles)
     return fig
+
+
+def _legend_below(fig: Figure, handles: list) -> None:
+    """One legend below the panels, in as many columns (at most 3) as fit the figure's width: long entries (a
+    failure's steps and seeds) in 3 columns ran past its right edge, cut off in the saved file."""
+    renderer = fig.canvas.get_renderer()
+    for ncols in range(min(len(handles), 3), 0, -1):
+        legend = fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=8, framealpha=0.9)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            return
+        legend.remove()
 
 
 def _draw_panel(

@@ -227,7 +227,15 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BITS",
         help="held-out unigram level of codebook 0 (bits; the study prints it): runs whose final held-out "
-        "codebook-0 loss stays within 0.05 bits of it are drawn as stalled",
+        "codebook-0 loss stays within --stall-margin of it are drawn as stalled",
+    )
+    p.add_argument(
+        "--stall-margin",
+        type=float,
+        default=STALL_MARGIN,
+        metavar="BITS",
+        help=f"with --unigram: how far below the unigram level a run must end not to be stalled (default "
+        f"{STALL_MARGIN}; the learning study's 'learned' margin is 0.1)",
     )
     p.add_argument(
         "--format",
@@ -258,6 +266,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                 extra=args.extra,
                 window=args.window,
                 unigram_eval_cb0=args.unigram,
+                stall_margin=args.stall_margin,
             )
         except (FileNotFoundError, ValueError) as e:
             _print_warnings(caught)
