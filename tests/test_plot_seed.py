@@ -1,6 +1,7 @@
 """Seed-faithful figures (#45): the fp16 loss scale on the first seed figure's axes, the training loss under its
 own name, every curve's start on the axis, failed runs marked by kind in the seed figures and in the lr
-figure; on synthetic run directories and on the committed CPU study's runs."""
+figure; on synthetic run directories and on the committed CPU study's runs. Then seeds, bands and the extra
+figures (every codebook, attention logits, held-out curves, the legend below several panels)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from test_plot import (
 )
 
 from musiclm_stab import cli
+from musiclm_stab.analysis.curves import ema, seed_curve, window_means
 from musiclm_stab.analysis.lr_figure import lr_figure
-from musiclm_stab.analysis.plot import make_figures
+from musiclm_stab.analysis.panels import BAND_LABEL, OUTSIDE_LABEL
+from musiclm_stab.analysis.plot import make_figures, read_run
 from musiclm_stab.analysis.runs import PlotWarning
 
 REPO = Path(__file__).resolve().parents[1]
@@ -316,3 +319,213 @@ def test_lr_figure_on_the_committed_cpu_study_marks_every_dead_cell():
     qk = "Pre-Norm | QK-Norm | Gradient Clip=1"
     assert dead == sorted([(label, 1e-2) for label in [*STUDY_LABELS, qk]] + [(STUDY_LABELS[2], 3e-3)])
     assert not gids(ax, "stalled:") and not gids(ax, "diverged:") and not ax.texts
+
+
+# --- seeds, bands and the extra figures (issue 16) ----------------------------------------------------
+
+
+def _seed_runs(root: Path, seeds: int = 3, steps: int = 60) -> list[Path]:
+    """Two configurations x ``seeds`` seeds (train.seed), every step logged, with layer diagnostics and
+    held-out rows every 10 steps; seed s adds 0.1 * s to every loss, so the band's edges are known."""
+    dirs = []
+    for name, ov in STUDY_RUNS[:2]:
+        for s in range(seeds):
+            rows = synthetic_rows(steps, 1, seed=s)
+            for row in rows:
+                for key in list(row):
+                    if "loss" in key:
+                        row[key] += 0.1 * s
+                if row["step"] % 10 == 0:
+                    row["eval/loss"] = row["loss"]
+                    row["eval/acoustic_mlm_loss/cb0"] = row["acoustic_mlm_loss/cb0"]
+                    row["eval/musical_mlm_loss"] = row["musical_mlm_loss"]
+                    for layer in range(3):
+                        row[f"diag/max_attn_logit/layer{layer}"] = float(layer + s + row["step"])
+            dirs.append(write_run(root, f"{name}_s{s}", make_config(**ov, **{"train.seed": s}), rows))
+    return dirs
+
+
+def test_seed_bands_one_line_per_configuration_with_min_max_band(tmp_path):
+    """--bands: the seeds of a configuration are one line (mean of their EMAs) in a min-max band, legend kept."""
+    dirs = _seed_runs(tmp_path)
+    fig = make_figures(dirs, smooth=0.5, bands=True)["loss"]
+    ax = fig.axes[0]
+    lines = run_lines(ax)
+    assert [line.get_label() for line in lines] == STUDY_LABELS[:2]
+    assert legend_texts(ax) == [*STUDY_LABELS[:2], BAND_LABEL.format(3, " (EMA 0.5)")]
+    runs = [read_run(d) for d in dirs[:3]]  # the first configuration's three seeds
+    curves = [ema(r.metric("loss")[1], 0.5) for r in runs]
+    np.testing.assert_allclose(lines[0].get_ydata(), np.mean(curves, axis=0))
+    (band,) = [c for c in ax.collections if c.get_gid() == f"band:{STUDY_LABELS[0]}"]
+    ys = band.get_paths()[0].vertices[:, 1]
+    # The band spans the lowest to the highest seed's EMA: seed 0 and seed 2 (+0.2 on every loss).
+    assert ys.min() == pytest.approx(min(c.min() for c in curves))
+    assert ys.max() == pytest.approx(max(c.max() for c in curves))
+    raw = [line for line in ax.get_lines() if (line.get_gid() or "") == f"raw:{STUDY_LABELS[0]}"]
+    np.testing.assert_allclose(raw[0].get_ydata(), np.mean([r.metric("loss")[1] for r in runs], axis=0))
+    assert same_color(band.get_facecolor()[0][:3], lines[0].get_color())
+
+
+def test_seed_curve_runs_with_different_steps(tmp_path):
+    """A seed missing steps (stopped early) leaves the others' curves whole: each seed smoothed on its own."""
+    short = write_run(tmp_path, "short", make_config(), synthetic_rows(20, 1, seed=0))
+    long = write_run(tmp_path, "long", make_config(), synthetic_rows(40, 1, seed=1))
+    runs = [read_run(short), read_run(long)]
+    curve = seed_curve(runs, "loss", 0.6)
+    assert list(curve.steps) == list(range(41)) and list(curve.count[:21]) == [2] * 21
+    assert list(curve.count[21:]) == [1] * 20
+    np.testing.assert_allclose(curve.line[21:], ema(runs[1].metric("loss")[1], 0.6)[21:])
+    assert (curve.lo <= curve.line).all() and (curve.line <= curve.hi).all()
+
+
+def test_max_attention_logit_keeps_steps_where_layerdrop_skipped_a_layer(tmp_path):
+    """The overall max attention logit at a step is the largest of the layers logged there: a layer skipped
+    by layerdrop (base size) logs nothing at that step, and the step stays in the curve (requiring every
+    layer had dropped about half the steps of the GPU study's 12-layer runs, and its peak)."""
+    from musiclm_stab.analysis.curves import MAX_LOGIT, with_derived
+
+    rows = synthetic_rows(40, 10)
+    for row in rows:
+        for layer in range(3):
+            if not (layer == 2 and row["step"] == 20):  # layer 2 dropped at step 20
+                row[f"diag/max_attn_logit/layer{layer}"] = float(10 * layer + row["step"])
+    steps, values = with_derived(read_run(write_run(tmp_path, "layerdrop", make_config(), rows))).series[MAX_LOGIT]
+    assert steps.tolist() == [0, 10, 20, 30, 40]
+    assert values.tolist() == [20.0, 30.0, 30.0, 50.0, 60.0]  # at step 20 layer 1's 10 + 20
+
+
+def test_extra_figures_codebooks_attention_logits_and_held_out(tmp_path):
+    """--extra draws every codebook's panel, the max attention logit (overall and per layer) and the held-out curves."""
+    dirs = _seed_runs(tmp_path, seeds=2)
+    figs = make_figures(dirs, bands=True, extra=True)
+    assert {"acoustic_mlm_loss_codebooks", "max_attn_logit", "max_attn_logit_layers", "eval"} <= set(figs)
+    assert figs["grad_norm_log"].axes[0].get_yscale() == "log" and figs["grad_norm"].axes[0].get_yscale() == "linear"
+    panels = [ax for ax in figs["acoustic_mlm_loss_codebooks"].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == [f"Acoustic MLM Loss on Codebook-{k} (bits)" for k in range(8)]
+    assert all(ax.get_xscale() == "symlog" for ax in panels)  # the study's log-scaled steps, as codebook 0
+    layers = [ax for ax in figs["max_attn_logit_layers"].axes if ax.get_visible()]
+    assert len(layers) == 3
+    # The overall max is the largest layer (layer 2: 2 + seed + step), averaged over the 2 seeds.
+    (line,) = [ln for ln in run_lines(figs["max_attn_logit"].axes[0]) if ln.get_label() == STUDY_LABELS[0]]
+    np.testing.assert_allclose(line.get_ydata(), [2 + 0.5 + s for s in range(0, 61, 10)])
+    eval_axes = [ax for ax in figs["eval"].axes if ax.get_visible()]
+    assert len(eval_axes) == 3 and all(len(run_lines(ax)[0].get_xdata()) == 7 for ax in eval_axes)
+    assert "Held-out Loss (bits)" in eval_axes[0].get_title()
+    assert [ax.get_xscale() for ax in eval_axes] == ["linear"] * 3  # evaluations evenly spaced, from the first
+    # Without diagnostics or held-out rows those figures are left out, silently (the study's four stay).
+    plain = make_figures([write_run(tmp_path, "plain", make_config(), synthetic_rows(50, 1))], extra=True)
+    assert "max_attn_logit" not in plain and "eval" not in plain and "loss" in plain
+
+
+def test_the_legend_below_several_panels_fits_the_figure(tmp_path):
+    """A figure of several panels has one legend below them, in as many columns (at most 3) as fit its width:
+    long entries (a failure's steps and seeds in each) no longer run past the right edge of the saved file."""
+    dirs = _seed_runs(tmp_path, seeds=1, steps=30)
+    for labels, columns in ((None, 2), (["Post-Norm | DeepNorm | Gradient Clip=1 (dead input at 274-781, 7 of 8 "
+                                         f"seeds) and more words to make it long {k}" for k in range(2)], 1)):
+        fig = make_figures(dirs, labels=labels, extra=True)["eval"]
+        fig.canvas.draw()
+        (legend,) = fig.legends
+        assert 0 <= legend.get_window_extent().x0 and legend.get_window_extent().x1 <= fig.bbox.width
+        rows = {round(t.get_window_extent().y0) for t in legend.get_texts()}
+        assert len(legend.get_texts()) == 2 and len(rows) == 2 // columns  # side by side when they fit
+
+
+def test_cli_plot_bands_and_extra(tmp_path, capsys):
+    """`musiclm-stab plot --bands --extra` writes the study's four figures and the extra ones."""
+    dirs = _seed_runs(tmp_path / "runs", seeds=2, steps=30)
+    out = tmp_path / "figs"
+    assert cli.main(["plot", *map(str, dirs), "--out", str(out), "--bands", "--extra", "--format", "svg"]) == 0
+    assert sorted(p.stem for p in out.glob("*.svg")) == sorted(
+        ["loss", "grad_norm", "musical_mlm_loss", "acoustic_mlm_loss_cb0", "acoustic_mlm_loss_codebooks",
+         "grad_norm_log", "max_attn_logit", "max_attn_logit_layers", "eval"])
+
+
+def test_window_means_are_fairseqs_log_rows():
+    """window_means: the mean over each window of N steps, placed at its last logged step (fairseq's rows)."""
+    steps = np.arange(1, 11)
+    at, means = window_means(steps, steps.astype(float), 4)
+    assert at.tolist() == [4, 8, 10] and means.tolist() == [2.5, 6.5, 9.5]
+    at, means = window_means(np.array([2, 4, 6, 8]), np.array([1.0, 3.0, 5.0, 7.0]), 4)
+    assert at.tolist() == [4, 8] and means.tolist() == [2.0, 6.0]
+
+
+def test_one_outlier_is_marked_not_scaling_the_axis(tmp_path):
+    """A loss near 0.1 with one logged value of 2000: the y axis stays on the curve (its descent from 1.5
+    included) and the outlier is a triangle at the top edge; without it nothing is marked."""
+    rows = synthetic_rows(10_000, 100, seed=1)
+    rows[60]["loss"] = 2000.0
+    spiky = write_run(tmp_path, "spiky", make_config(), rows)
+    ax = make_figures([spiky])["loss"].axes[0]
+    lo, hi = ax.get_ylim()
+    assert 1.5 < hi < 3.0 and lo < 0.1
+    marks = [line for line in ax.get_lines() if line.get_gid() == "outside:^"]
+    assert len(marks) == 1 and marks[0].get_xdata().tolist() == [6000]
+    assert OUTSIDE_LABEL in legend_texts(ax)
+    calm = write_run(tmp_path, "calm", make_config(), synthetic_rows(10_000, 100, seed=1))
+    ax = make_figures([calm])["loss"].axes[0]
+    assert not [line for line in ax.get_lines() if (line.get_gid() or "").startswith("outside")]
+
+
+def test_loss_scale_and_evaluation_figures_say_what_they_draw(tmp_path):
+    """--extra with fp16 rows draws loss_scale_log.png on a log axis (loss_scale.png is the seed's linear
+    one); the held-out curves are drawn as evaluated (no window means, no EMA) and their band says so."""
+    dirs = []
+    for seed in range(2):
+        rows = synthetic_rows(1000, 10, seed=seed)
+        for r in rows:
+            r["loss_scale"] = 128.0 / (1 + r["step"] // 500)
+            if r["step"] % 100 == 0:
+                r["eval/acoustic_mlm_loss/cb0"] = 9.0 - r["step"] / 1000
+        dirs.append(write_run(tmp_path, f"s{seed}", make_config(**{"train.seed": seed}), rows))
+    figs = make_figures(dirs, bands=True, extra=True, window=5, smooth=0.5)
+    assert figs["loss_scale_log"].axes[0].get_yscale() == "log"
+    assert figs["loss_scale"].axes[0].get_yscale() == "linear"
+    eval_ax = figs["eval"].axes[0]  # one panel: the runs logged only the codebook-0 held-out loss
+    assert eval_ax.get_ylabel().startswith("Held-out Acoustic MLM Loss on Codebook-0")
+    assert [t for t in legend_texts(eval_ax) if t.startswith("Band")] == [BAND_LABEL.format(2, "")]
+    loss_band = [t for t in legend_texts(figs["loss"].axes[0]) if t.startswith("Band")]
+    assert loss_band == [BAND_LABEL.format(2, " (means over 5 steps, EMA 0.5)")]
+
+
+def test_lr_figure_lines_bands_unigram_and_diverged_marks(tmp_path):
+    """lr_sensitivity.png: one line per configuration over the lrs (mean of the seeds' last held-out
+    codebook-0 loss, min-max band), the unigram level dashed, a diverged seed an x above every point and
+    not in the mean; configurations diverging at one lr on rows of their own (none hides another), the
+    number of seeds beside an x for more than one; the legend below the axes, over no point."""
+    from musiclm_stab.analysis.lr_figure import DIVERGED_LABEL, lr_figure, lr_table
+
+    dirs = []
+    for clip, cells in ((10.0, ((1e-3, (9.0, 9.2)), (1e-2, (8.5, 8.7)), (1e-1, (9.9, None)))),
+                        (1.0, ((1e-3, (9.1, 9.3)), (1e-1, (None, None))))):
+        for lr, finals in cells:
+            for seed, final in enumerate(finals):
+                rows = synthetic_rows(100, 10, seed=seed)
+                rows[-1]["eval/acoustic_mlm_loss/cb0"] = final if final is not None else 9.0
+                extra = ([json.dumps({"step": 100, "event": "min_loss_scale", "loss_scale": 1.0})]
+                         if final is None else [])
+                config = make_config(**{"optim.lr": lr, "train.seed": seed, "optim.clip_grad": clip})
+                dirs.append(write_run(tmp_path, f"clip{clip}_lr{lr}_s{seed}", config, rows, extra))
+    runs = [read_run(d) for d in dirs]
+    table = lr_table(runs)
+    label, other = table
+    assert {lr: [round(v, 3) if math.isfinite(v) else None for v in vals] for lr, vals in table[label].items()} == {
+        1e-3: [9.0, 9.2], 1e-2: [8.5, 8.7], 1e-1: [9.9, None]}
+    fig = lr_figure(runs, unigram_eval_cb0=9.5)
+    ax = fig.axes[0]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    assert line.get_xdata().tolist() == [1e-3, 1e-2, 1e-1]
+    assert [round(y, 3) for y in line.get_ydata()] == [9.1, 8.6, 9.9]
+    marks = {ln.get_gid(): (ln.get_xdata().tolist(), ln.get_ydata().tolist()) for ln in ax.get_lines()
+             if (ln.get_gid() or "").startswith("diverged")}
+    assert sorted(marks) == sorted([f"diverged:{label}", f"diverged:{other}"])
+    (x1, (y1,)), (x2, (y2,)) = marks[f"diverged:{label}"], marks[f"diverged:{other}"]
+    assert x1 == x2 == [0.1] and y1 != y2 and min(y1, y2) > 9.9 and max(y1, y2) < ax.get_ylim()[1]
+    # "1/2": the first configuration's seed at 0.1 ended at 9.9, above the unigram level: stalled (a star);
+    # "2": both seeds of the second configuration diverged at 0.1
+    assert [t.get_text() for t in ax.texts] == ["1/2", "2"]
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert "Unigram level (held-out): 9.50 bits" in texts and DIVERGED_LABEL in texts and ax.get_xscale() == "log"
+    fig.canvas.draw()
+    assert legend.get_window_extent().y1 <= ax.get_window_extent().y0  # below the axes: it hides no point
