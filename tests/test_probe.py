@@ -147,8 +147,8 @@ def test_study_probes_seed_zero_of_each_configuration(short_rendered_tokens, tmp
     configurations (not the other seeds), against random init at the one L2 penalty, their figure among the
     study's figures, and the claims table's probe column with one value per configuration."""
     from musiclm_stab.analysis.claims import write_claims
-    from musiclm_stab.experiments.study import PROBE, probe_study
     from musiclm_stab.experiments.study_plan import plan_study
+    from musiclm_stab.experiments.study_probes import PROBE, probe_study
 
     extra = ["model.num_layers=1", "data.batch_size=2", "data.eval_fraction=0.3", "train.eval_every=0",
              "train.diagnostics_every=0"]
@@ -185,7 +185,7 @@ def test_study_probes_seed_zero_of_each_configuration(short_rendered_tokens, tmp
     from matplotlib.image import imread
 
     from musiclm_stab.analysis.probe_figure import save_probe_figure
-    from musiclm_stab.experiments.study import probed_already
+    from musiclm_stab.experiments.study_probes import probed_already
 
     wider = plan_study("cpu", tmp_path / "runs", short_rendered_tokens[1], steps=1, seeds=2, lrs=(3e-3, 1e-2),
                        control=False, extra=extra)
@@ -217,8 +217,8 @@ def test_study_probes_the_figure_lr_and_the_best_cell(tmp_path):
 
     from musiclm_stab.analysis.claim_stats import ROLES, Instability, RunStats
     from musiclm_stab.analysis.lr_grid import learns
-    from musiclm_stab.experiments.study import probe_targets
     from musiclm_stab.experiments.study_plan import CONTROL, STUDY_RECIPES, figure_runs, plan_study
+    from musiclm_stab.experiments.study_probes import probe_targets
 
     study = plan_study("cpu", tmp_path, "/data/tokens", seeds=2, lrs=(3e-3, 1e-2))
     run_dirs = [run.config().run_dir for run in study.runs]  # once: each config() reads the recipe files again

@@ -21,7 +21,7 @@ from musiclm_stab.config import ConfigError, load_config
 from musiclm_stab.data.codes_file import read_codes
 from musiclm_stab.data.tokenized import codes_sha256
 from musiclm_stab.experiments.launch import same_config
-from musiclm_stab.experiments.study import carry_study, cli_main, probed_already, run_study
+from musiclm_stab.experiments.study import carry_study, cli_main, run_study
 from musiclm_stab.experiments.study_plan import (
     CONTROL,
     CONTROL_BASE,
@@ -36,6 +36,7 @@ from musiclm_stab.experiments.study_plan import (
     plan_study,
     recipe_path,
 )
+from musiclm_stab.experiments.study_probes import probed_already
 from musiclm_stab.host import machine
 from musiclm_stab.training.loss_scaler import EXIT_DIVERGED
 
