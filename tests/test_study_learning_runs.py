@@ -133,15 +133,20 @@ def test_the_headline_numbers_follow_from_the_raw_metrics_by_scipy(carried):
     scipy's exact Wilcoxon, the control's interaction (both plain Post-LN cells at their cap, the first logged
     codebook-0 loss, as they lost their input in every seed), claim (a)'s early-loss differences and M1/M2's
     steps survived give the numbers claims.json (and the text) state."""
+    import functools
+
     import numpy as np
     from scipy.stats import wilcoxon
 
     folder = carried / "learning_cpu"
     claims = json.loads((DOCS / "figures" / "claims.json").read_text())
 
+    @functools.cache
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
+
     def logged(name: str, key: str) -> list:
-        rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
-        return [(r["step"], r[key]) for r in rows if key in r]
+        return [(r["step"], r[key]) for r in rows(name) if key in r]
 
     def final_cb0(name: str) -> float:
         return logged(name, "eval/acoustic_mlm_loss/cb0")[-1][1]
